@@ -1,0 +1,196 @@
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <set>
+
+#include "arena.h"
+
+namespace offcache {
+namespace {
+
+// Counts chunks and can be told to refuse, like cudaHostAlloc under a
+// memlock limit.
+class CountingSource : public ChunkSource {
+ public:
+  void* allocate(size_t bytes, std::string* error) override {
+    if (refuse) {
+      if (error) *error = "refused";
+      return nullptr;
+    }
+    ++live;
+    return std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);  // like mmap
+  }
+  void release(void* ptr, size_t) noexcept override {
+    --live;
+    std::free(ptr);
+  }
+  bool pinned() const override { return false; }
+  int live = 0;
+  bool refuse = false;
+};
+
+ArenaOptions fixed(size_t chunk, size_t limit = SIZE_MAX) {
+  ArenaOptions o;
+  o.min_chunk = o.max_chunk = chunk;
+  o.limit = limit;
+  o.alignment = 256;
+  return o;
+}
+
+TEST(Arena, ExactSizeNoPowerOfTwoRounding) {
+  CountingSource src;
+  Arena arena(src, fixed(1 << 20));
+  auto b = arena.allocate(257 * 1024 + 1);  // just over 257 KiB
+  ASSERT_TRUE(b);
+  EXPECT_EQ(b->size, 257 * 1024 + 256);
+  EXPECT_EQ(arena.in_use_bytes(), 257 * 1024 + 256);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(b->ptr) % 256, 0u);
+}
+
+TEST(Arena, BlocksDoNotOverlap) {
+  CountingSource src;
+  Arena arena(src, fixed(1 << 20));
+  std::vector<Block> blocks;
+  for (int i = 0; i < 100; ++i) {
+    auto b = arena.allocate(1000 + i * 37);
+    ASSERT_TRUE(b);
+    std::memset(b->ptr, i, b->size);
+    blocks.push_back(*b);
+  }
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    auto* p = static_cast<unsigned char*>(blocks[i].ptr);
+    for (size_t k = 0; k < blocks[i].size; ++k) ASSERT_EQ(p[k], i);
+  }
+}
+
+TEST(Arena, CoalescesFreeNeighbours) {
+  CountingSource src;
+  Arena arena(src, fixed(4096));
+  auto a = arena.allocate(1024), b = arena.allocate(1024), c = arena.allocate(1024),
+       d = arena.allocate(1024);
+  ASSERT_TRUE(a && b && c && d);
+  EXPECT_EQ(arena.chunk_count(), 1u);
+  arena.free(*b);
+  arena.free(*c);  // b+c merge into 2 KiB
+  auto big = arena.allocate(2048);
+  ASSERT_TRUE(big);
+  EXPECT_EQ(big->ptr, b->ptr);
+  EXPECT_EQ(arena.chunk_count(), 1u);
+  arena.free(*a);
+  arena.free(*big);
+  arena.free(*d);  // whole chunk free again, merged into one range
+  auto whole = arena.allocate(4096);
+  ASSERT_TRUE(whole);
+  EXPECT_EQ(whole->ptr, a->ptr);
+}
+
+TEST(Arena, OversizedRequestGetsDedicatedChunkReleasedOnFree) {
+  CountingSource src;
+  Arena arena(src, fixed(1 << 16));
+  auto small = arena.allocate(100);
+  auto big = arena.allocate(1 << 20);
+  ASSERT_TRUE(small && big);
+  EXPECT_EQ(src.live, 2);
+  EXPECT_EQ(arena.reserved_bytes(), (1u << 16) + (1u << 20));
+  arena.free(*big);
+  EXPECT_EQ(src.live, 1);
+  EXPECT_EQ(arena.reserved_bytes(), 1u << 16);
+}
+
+TEST(Arena, BudgetRefusesThenSmallerChunkFits) {
+  CountingSource src;
+  Arena arena(src, fixed(1 << 20, (1 << 20) + 8192));
+  auto a = arena.allocate(1 << 20);  // fills the first chunk exactly
+  ASSERT_TRUE(a);
+  auto b = arena.allocate(4096);  // a full chunk would exceed the limit; a small one fits
+  ASSERT_TRUE(b);
+  std::string why;
+  auto c = arena.allocate(1 << 16, &why);
+  EXPECT_FALSE(c);
+  EXPECT_NE(why.find("budget"), std::string::npos);
+  EXPECT_LE(arena.reserved_bytes(), arena.limit());
+}
+
+TEST(Arena, SourceRefusalIsReportedNotThrown) {
+  CountingSource src;
+  src.refuse = true;
+  Arena arena(src, fixed(1 << 20));
+  std::string why;
+  EXPECT_FALSE(arena.allocate(10, &why));
+  EXPECT_EQ(why, "refused");
+  EXPECT_EQ(arena.reserved_bytes(), 0u);
+}
+
+TEST(Arena, KeepsOnlyOneEmptySpareChunk) {
+  CountingSource src;
+  Arena arena(src, fixed(4096));
+  std::vector<Block> blocks;
+  for (int i = 0; i < 4; ++i) blocks.push_back(*arena.allocate(4096));
+  EXPECT_EQ(src.live, 4);
+  for (auto& b : blocks) arena.free(b);
+  EXPECT_EQ(src.live, 1);
+  EXPECT_EQ(arena.release_empty_chunks(), 4096u);
+  EXPECT_EQ(src.live, 0);
+}
+
+TEST(Arena, GrowthKeepsOverReservationSmall) {
+  CountingSource src;
+  ArenaOptions o;
+  o.min_chunk = 1 << 20;
+  o.max_chunk = 1 << 30;
+  o.growth_divisor = 16;
+  Arena arena(src, o);
+  size_t live = 0;
+  for (int i = 0; i < 2000; ++i) {
+    ASSERT_TRUE(arena.allocate(300 * 1024));
+    live += 300 * 1024;
+  }
+  EXPECT_LE(static_cast<double>(arena.reserved_bytes()) / live, 1.1);
+}
+
+// Random alloc/free against a model: live blocks never overlap, accounting
+// matches, and freeing everything returns all bytes.
+TEST(Arena, RandomisedAgainstModel) {
+  CountingSource src;
+  Arena arena(src, fixed(1 << 16, 1 << 20));
+  std::mt19937 rng(1234);
+  std::vector<Block> live;
+  size_t model_in_use = 0;
+  for (int step = 0; step < 20000; ++step) {
+    if (live.empty() || rng() % 3 != 0) {
+      size_t n = 1 + rng() % (rng() % 10 == 0 ? (1 << 17) : 5000);
+      auto b = arena.allocate(n);
+      if (!b) continue;  // over budget: fine, the engine spills
+      ASSERT_GE(b->size, n);
+      live.push_back(*b);
+      model_in_use += b->size;
+    } else {
+      size_t i = rng() % live.size();
+      arena.free(live[i]);
+      model_in_use -= live[i].size;
+      live[i] = live.back();
+      live.pop_back();
+    }
+    ASSERT_EQ(arena.in_use_bytes(), model_in_use);
+    ASSERT_LE(arena.reserved_bytes(), arena.limit());
+  }
+  std::set<std::pair<uintptr_t, uintptr_t>> ranges;
+  for (auto& b : live) {
+    auto lo = reinterpret_cast<uintptr_t>(b.ptr);
+    ranges.emplace(lo, lo + b.size);
+  }
+  uintptr_t end = 0;
+  for (auto& r : ranges) {
+    ASSERT_GE(r.first, end);
+    end = r.second;
+  }
+  for (auto& b : live) arena.free(b);
+  EXPECT_EQ(arena.in_use_bytes(), 0u);
+  arena.release_empty_chunks();
+  EXPECT_EQ(src.live, 0);
+}
+
+}  // namespace
+}  // namespace offcache

@@ -1,0 +1,96 @@
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "arena.h"
+#include "deferred_free.h"
+#include "host_stream.h"
+
+namespace offcache {
+namespace {
+
+TEST(HostStream, RunsTasksInOrderAndEventsFollowThem) {
+  HostStream s;
+  std::vector<int> seen;
+  for (int i = 0; i < 100; ++i) s.submit([&seen, i] { seen.push_back(i); });
+  auto e = s.record();
+  e->wait();
+  ASSERT_EQ(seen.size(), 100u);
+  for (int i = 0; i < 100; ++i) EXPECT_EQ(seen[i], i);
+}
+
+TEST(HostStream, WaitEventOrdersAcrossStreams) {
+  HostStream producer, consumer;
+  std::atomic<int> value{0};
+  producer.submit([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    value = 42;
+  });
+  consumer.wait_event(producer.record());
+  int observed = -1;
+  consumer.submit([&] { observed = value.load(); });
+  consumer.synchronize();
+  EXPECT_EQ(observed, 42);
+}
+
+TEST(HostEvent, ElapsedIsNonNegative) {
+  HostStream s;
+  auto a = s.record();
+  s.submit([] { std::this_thread::sleep_for(std::chrono::milliseconds(2)); });
+  auto b = s.record();
+  b->wait();
+  EXPECT_GE(b->elapsed_ms_since(*a), 1.5);
+}
+
+TEST(HostStream, ManyThreadsSubmitting) {
+  HostStream s;
+  std::atomic<int> count{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&] {
+      for (int i = 0; i < 1000; ++i) s.submit([&] { ++count; });
+    });
+  }
+  for (auto& t : threads) t.join();
+  s.synchronize();
+  EXPECT_EQ(count.load(), 4000);
+}
+
+class MallocSource : public ChunkSource {
+ public:
+  void* allocate(size_t bytes, std::string*) override { return std::malloc(bytes); }
+  void release(void* p, size_t) noexcept override { std::free(p); }
+  bool pinned() const override { return false; }
+};
+
+// A block is reused only after every copy that touches it has completed.
+TEST(DeferredFrees, BlockReusedOnlyAfterFences) {
+  MallocSource src;
+  ArenaOptions o;
+  o.min_chunk = o.max_chunk = 4096;
+  Arena arena(src, o);
+  HostStream copy;
+  auto b = *arena.allocate(4096);
+  std::atomic<bool> release_copy{false};
+  copy.submit([&] {
+    while (!release_copy) std::this_thread::yield();
+    std::memset(b.ptr, 7, 4096);  // a slow copy still writing the block
+  });
+  DeferredFrees pending;
+  pending.push(b, {copy.record()});
+  auto release = [&](const Block& blk) { arena.free(blk); };
+  EXPECT_EQ(pending.reclaim(release), 0u);
+  EXPECT_EQ(arena.in_use_bytes(), 4096u);
+  release_copy = true;
+  pending.wait_all();
+  EXPECT_EQ(pending.reclaim(release), 1u);
+  EXPECT_EQ(arena.in_use_bytes(), 0u);
+  EXPECT_EQ(pending.size(), 0u);
+}
+
+}  // namespace
+}  // namespace offcache

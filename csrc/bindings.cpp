@@ -1,0 +1,108 @@
+// Python bindings for offcache._C. Copies and waits release the GIL.
+#include <torch/extension.h>
+
+#include "engine.h"
+
+#ifdef OFFCACHE_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace py = pybind11;
+using offcache::EventPtr;
+using offcache::global_engine;
+
+namespace {
+
+// A fetch's completion: wait() makes the consumer's current stream wait on it.
+struct Ticket {
+  EventPtr event;
+  c10::Device device;
+  void wait() const { global_engine().wait(event, device); }
+  bool query() const { return event == nullptr || event->query(); }
+};
+
+py::dict stats_dict() {
+  offcache::EngineStats s;
+  {
+    py::gil_scoped_release release;
+    s = global_engine().stats();
+  }
+  py::dict d;
+#define OFFCACHE_FIELD(name) d[#name] = s.name
+  OFFCACHE_FIELD(pinned_reserved_bytes);
+  OFFCACHE_FIELD(pinned_in_use_bytes);
+  OFFCACHE_FIELD(pageable_bytes);
+  OFFCACHE_FIELD(in_flight_bytes);
+  OFFCACHE_FIELD(deferred_bytes);
+  OFFCACHE_FIELD(peak_pinned_reserved_bytes);
+  OFFCACHE_FIELD(peak_pinned_in_use_bytes);
+  OFFCACHE_FIELD(peak_pageable_bytes);
+  OFFCACHE_FIELD(peak_in_flight_bytes);
+  OFFCACHE_FIELD(dedup_hits);
+  OFFCACHE_FIELD(spills);
+  OFFCACHE_FIELD(stores);
+  OFFCACHE_FIELD(fetches);
+  OFFCACHE_FIELD(d2h_bytes);
+  OFFCACHE_FIELD(h2d_bytes);
+  OFFCACHE_FIELD(d2h_copies);
+  OFFCACHE_FIELD(h2d_copies);
+  OFFCACHE_FIELD(d2h_seconds);
+  OFFCACHE_FIELD(h2d_seconds);
+  OFFCACHE_FIELD(pinned_limit_bytes);
+#undef OFFCACHE_FIELD
+  d["pinned"] = global_engine().arena_pinned();
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "offcache engine: pinned host arena, dedup table and copy streams";
+
+  py::class_<Ticket>(m, "Ticket")
+      .def("wait", &Ticket::wait, py::call_guard<py::gil_scoped_release>(),
+           "Make the consumer's current stream wait for the fetch's copies.")
+      .def("query", &Ticket::query, py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "store",
+      [](const std::vector<at::Tensor>& values, c10::Device device, bool allow_spill) {
+        return global_engine().store(values, device, allow_spill);
+      },
+      py::arg("values"), py::arg("device"), py::arg("allow_spill") = true,
+      py::call_guard<py::gil_scoped_release>(),
+      "Copy tensors to `device` (CPU: the pinned arena). Returns the copies in order.");
+  m.def(
+      "fetch",
+      [](const std::vector<at::Tensor>& stored, c10::Device device, bool wait) {
+        auto [tensors, event] = global_engine().fetch(stored, device, wait);
+        return std::make_pair(std::move(tensors), Ticket{event, device});
+      },
+      py::arg("stored"), py::arg("device"), py::arg("wait") = true,
+      py::call_guard<py::gil_scoped_release>(),
+      "Copy stored tensors to `device`. Returns (tensors, ticket).");
+  m.def(
+      "synchronize", [] { global_engine().synchronize(); },
+      py::call_guard<py::gil_scoped_release>());
+  m.def("stats", &stats_dict);
+  m.def("set_pinned_limit", [](size_t bytes) { global_engine().set_limit(bytes); });
+  m.def("take_spill_notice", [] { return global_engine().take_spill_notice(); });
+  m.def("backend_name", [] { return global_engine().backend().name(); });
+  m.def("is_arena_tensor",
+        [](const at::Tensor& t) { return global_engine().is_arena_tensor(t); });
+  m.def("is_offcache_tensor",
+        [](const at::Tensor& t) { return offcache::host_block_of(t) != nullptr; });
+  m.def("engine_created", &offcache::global_engine_created);
+  m.def("configure", &offcache::configure_global_engine, py::arg("backend"),
+        py::arg("pinned_limit"), py::arg("min_chunk"), py::arg("max_in_flight"),
+        py::arg("host_copy_delay_us"),
+        "Replace the process-wide engine (earlier stored tensors keep working).");
+  m.attr("cuda_compiled") = offcache::cuda_compiled();
+  m.attr("torch_version") = OFFCACHE_TORCH_VERSION;
+#ifdef OFFCACHE_WITH_CUDA
+  m.attr("cuda_version") = std::to_string(CUDART_VERSION / 1000) + "." +
+                           std::to_string(CUDART_VERSION % 1000 / 10);
+#else
+  m.attr("cuda_version") = py::none();
+#endif
+}

@@ -1,0 +1,159 @@
+#include "arena.h"
+
+#include <algorithm>
+#include <cassert>
+
+namespace offcache {
+
+Arena::Arena(ChunkSource& source, ArenaOptions options)
+    : source_(source), options_(options) {
+  assert(options_.alignment > 0 && (options_.alignment & (options_.alignment - 1)) == 0);
+  assert(options_.min_chunk > 0 && options_.min_chunk <= options_.max_chunk);
+}
+
+Arena::~Arena() {
+  for (uint32_t i = 0; i < chunks_.size(); ++i) {
+    if (chunks_[i].live) source_.release(chunks_[i].base, chunks_[i].size);
+  }
+}
+
+size_t Arena::round_up(size_t bytes) const {
+  size_t a = options_.alignment;
+  return (std::max<size_t>(bytes, 1) + a - 1) / a * a;
+}
+
+size_t Arena::chunk_size() const {
+  size_t grow = reserved_ / std::max<size_t>(options_.growth_divisor, 1);
+  size_t size = std::clamp(grow, options_.min_chunk, options_.max_chunk);
+  constexpr size_t kGranule = size_t{2} << 20;  // whole huge pages
+  return size < kGranule ? round_up(size) : (size + kGranule - 1) / kGranule * kGranule;
+}
+
+size_t Arena::chunk_count() const {
+  return std::count_if(chunks_.begin(), chunks_.end(), [](const Chunk& c) { return c.live; });
+}
+
+std::optional<uint32_t> Arena::add_chunk(size_t bytes, bool dedicated, std::string* error) {
+  if (reserved_ + bytes > options_.limit || reserved_ + bytes < reserved_) {
+    if (error) *error = "pinned budget of " + std::to_string(options_.limit) + " bytes reached";
+    return std::nullopt;
+  }
+  void* base = source_.allocate(bytes, error);
+  if (base == nullptr) return std::nullopt;
+  uint32_t index = 0;
+  while (index < chunks_.size() && chunks_[index].live) ++index;
+  if (index == chunks_.size()) chunks_.emplace_back();
+  Chunk& c = chunks_[index];
+  c = Chunk{};
+  c.base = static_cast<char*>(base);
+  c.size = bytes;
+  c.dedicated = dedicated;
+  c.live = true;
+  reserved_ += bytes;
+  insert_free(index, 0, bytes);
+  return index;
+}
+
+void Arena::drop_chunk(uint32_t index) {
+  Chunk& c = chunks_[index];
+  assert(c.live && c.used == 0);
+  erase_free(index, 0, c.size);
+  source_.release(c.base, c.size);
+  reserved_ -= c.size;
+  c = Chunk{};
+}
+
+void Arena::insert_free(uint32_t chunk, size_t offset, size_t length) {
+  chunks_[chunk].free.emplace(offset, length);
+  by_length_.emplace(length, chunk, offset);
+}
+
+void Arena::erase_free(uint32_t chunk, size_t offset, size_t length) {
+  chunks_[chunk].free.erase(offset);
+  by_length_.erase(FreeKey{length, chunk, offset});
+}
+
+std::optional<Block> Arena::allocate(size_t bytes, std::string* error) {
+  const size_t need = round_up(bytes);
+  auto it = by_length_.lower_bound(FreeKey{need, 0, 0});
+  uint32_t chunk;
+  size_t offset, length;
+  if (it != by_length_.end()) {
+    std::tie(length, chunk, offset) = *it;
+  } else {
+    // Nothing fits: reserve a new chunk. Oversized requests get their own.
+    const size_t regular = chunk_size();
+    const bool dedicated = need > regular;
+    size_t size = dedicated ? need : regular;
+    // Near the budget, a smaller chunk that still fits the request beats spilling.
+    if (!dedicated && reserved_ + size > options_.limit && options_.limit > reserved_) {
+      const size_t room = (options_.limit - reserved_) / options_.alignment * options_.alignment;
+      size = std::max(need, room);
+    }
+    auto added = add_chunk(size, dedicated, error);
+    if (!added) return std::nullopt;
+    chunk = *added;
+    offset = 0;
+    length = size;
+  }
+  erase_free(chunk, offset, length);
+  if (length > need) insert_free(chunk, offset + need, length - need);
+  Chunk& c = chunks_[chunk];
+  c.used += need;
+  in_use_ += need;
+  return Block{c.base + offset, need, chunk, offset};
+}
+
+void Arena::free(const Block& block) {
+  assert(block.chunk < chunks_.size() && chunks_[block.chunk].live);
+  Chunk& c = chunks_[block.chunk];
+  assert(c.base + block.offset == block.ptr && c.used >= block.size);
+  c.used -= block.size;
+  in_use_ -= block.size;
+  size_t offset = block.offset;
+  size_t length = block.size;
+  // Coalesce with the free ranges on either side.
+  auto next = c.free.lower_bound(offset);
+  if (next != c.free.end() && next->first == offset + length) {
+    size_t next_len = next->second;
+    erase_free(block.chunk, next->first, next_len);
+    length += next_len;
+  }
+  auto after = c.free.lower_bound(offset);
+  if (after != c.free.begin()) {
+    auto prev = std::prev(after);
+    if (prev->first + prev->second == offset) {
+      size_t prev_off = prev->first, prev_len = prev->second;
+      erase_free(block.chunk, prev_off, prev_len);
+      offset = prev_off;
+      length += prev_len;
+    }
+  }
+  insert_free(block.chunk, offset, length);
+  if (c.used != 0) return;
+  // Dedicated chunks go back at once; an empty regular chunk is kept only
+  // while it is the sole spare, so reserved memory tracks live memory.
+  if (c.dedicated) {
+    drop_chunk(block.chunk);
+    return;
+  }
+  for (uint32_t i = 0; i < chunks_.size(); ++i) {
+    if (i != block.chunk && chunks_[i].live && !chunks_[i].dedicated && chunks_[i].used == 0) {
+      drop_chunk(block.chunk);
+      return;
+    }
+  }
+}
+
+size_t Arena::release_empty_chunks() {
+  size_t released = 0;
+  for (uint32_t i = 0; i < chunks_.size(); ++i) {
+    if (chunks_[i].live && chunks_[i].used == 0) {
+      released += chunks_[i].size;
+      drop_chunk(i);
+    }
+  }
+  return released;
+}
+
+}  // namespace offcache

@@ -1,0 +1,92 @@
+// Host arena: reserves large chunks from a ChunkSource (pinned memory on the
+// CUDA backend, plain memory on the host backend) and sub-allocates
+// exact-size aligned blocks from them. No power-of-two rounding: a block
+// costs its size rounded up to the alignment. Free neighbours coalesce.
+// Not thread-safe: the engine serialises access.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace offcache {
+
+class ChunkSource {
+ public:
+  virtual ~ChunkSource() = default;
+  // Returns nullptr when the memory cannot be had; never throws. `error`
+  // receives a short reason for the caller's warning.
+  virtual void* allocate(size_t bytes, std::string* error) = 0;
+  virtual void release(void* ptr, size_t bytes) noexcept = 0;
+  virtual bool pinned() const = 0;
+};
+
+struct Block {
+  void* ptr = nullptr;
+  size_t size = 0;  // bytes reserved for the block (aligned)
+  uint32_t chunk = 0;
+  size_t offset = 0;
+};
+
+struct ArenaOptions {
+  size_t min_chunk = size_t{16} << 20;
+  size_t max_chunk = size_t{1} << 30;
+  // A new chunk is 1/growth_divisor of what is already reserved (clamped to
+  // [min_chunk, max_chunk]) so over-reservation stays near 1/growth_divisor.
+  size_t growth_divisor = 16;
+  size_t limit = SIZE_MAX;
+  size_t alignment = 256;
+};
+
+class Arena {
+ public:
+  Arena(ChunkSource& source, ArenaOptions options);
+  ~Arena();
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+
+  // nullopt when the budget or the chunk source refuses; `error` says why.
+  std::optional<Block> allocate(size_t bytes, std::string* error = nullptr);
+  void free(const Block& block);
+
+  void set_limit(size_t limit) { options_.limit = limit; }
+  size_t limit() const { return options_.limit; }
+  size_t reserved_bytes() const { return reserved_; }
+  size_t in_use_bytes() const { return in_use_; }
+  size_t chunk_count() const;
+  // Size of the next regular chunk; requests above it get a chunk of their own.
+  size_t chunk_size() const;
+  size_t round_up(size_t bytes) const;
+  // Returns every chunk with no live block to the source.
+  size_t release_empty_chunks();
+
+ private:
+  struct Chunk {
+    char* base = nullptr;
+    size_t size = 0;
+    size_t used = 0;
+    bool dedicated = false;
+    bool live = false;
+    std::map<size_t, size_t> free;  // offset -> length
+  };
+  using FreeKey = std::tuple<size_t, uint32_t, size_t>;  // length, chunk, offset
+
+  std::optional<uint32_t> add_chunk(size_t bytes, bool dedicated, std::string* error);
+  void drop_chunk(uint32_t index);
+  void insert_free(uint32_t chunk, size_t offset, size_t length);
+  void erase_free(uint32_t chunk, size_t offset, size_t length);
+
+  ChunkSource& source_;
+  ArenaOptions options_;
+  std::vector<Chunk> chunks_;
+  std::set<FreeKey> by_length_;  // best-fit index over every chunk's free ranges
+  size_t reserved_ = 0;
+  size_t in_use_ = 0;
+};
+
+}  // namespace offcache

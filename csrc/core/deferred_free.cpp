@@ -1,0 +1,30 @@
+#include "deferred_free.h"
+
+namespace offcache {
+
+void DeferredFrees::push(const Block& block, std::vector<EventPtr> fences) {
+  pending_.push_back(Pending{block, std::move(fences)});
+}
+
+bool DeferredFrees::done(Pending& p) {
+  for (auto& e : p.fences) {
+    if (e && !e->query()) return false;
+  }
+  return true;
+}
+
+void DeferredFrees::wait_all() {
+  for (auto& p : pending_) {
+    for (auto& e : p.fences) {
+      if (e) e->wait();
+    }
+  }
+}
+
+size_t DeferredFrees::bytes() const {
+  size_t total = 0;
+  for (const auto& p : pending_) total += p.block.size;
+  return total;
+}
+
+}  // namespace offcache

@@ -1,0 +1,43 @@
+#include "event.h"
+
+#include <thread>
+
+namespace offcache {
+
+std::shared_ptr<HostEvent> HostEvent::completed() {
+  auto e = std::make_shared<HostEvent>();
+  e->complete();
+  return e;
+}
+
+void HostEvent::complete() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    when_ = std::chrono::steady_clock::now();
+    done_.store(true, std::memory_order_release);
+  }
+  cv_.notify_all();
+}
+
+void HostEvent::wait() {
+  // Spin briefly first: most waits are for small copies that finish within
+  // microseconds, and a condition-variable wake-up costs tens of them.
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
+  while (!query()) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return query(); });
+      return;
+    }
+    std::this_thread::yield();
+  }
+}
+
+double HostEvent::elapsed_ms_since(Event& start) {
+  auto* s = dynamic_cast<HostEvent*>(&start);
+  if (s == nullptr || !s->query() || !query()) return 0.0;
+  std::lock_guard<std::mutex> lock(mu_);
+  return std::chrono::duration<double, std::milli>(when_ - s->when()).count();
+}
+
+}  // namespace offcache

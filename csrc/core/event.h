@@ -1,0 +1,47 @@
+// Completion events shared by both backends. A CUDA event and a host
+// completion flag expose the same interface so the engine's scheduling code
+// (fences, deferred frees, in-flight accounting) is identical on both.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+
+namespace offcache {
+
+class Event {
+ public:
+  virtual ~Event() = default;
+  // True once every operation recorded before the event has finished.
+  virtual bool query() = 0;
+  // Blocks the calling host thread until query() is true.
+  virtual void wait() = 0;
+  // Milliseconds between `start` and this event; both must be complete.
+  virtual double elapsed_ms_since(Event& start) = 0;
+};
+
+using EventPtr = std::shared_ptr<Event>;
+
+// A one-shot completion flag set by a host worker thread ("stream").
+class HostEvent final : public Event {
+ public:
+  HostEvent() = default;
+  // An event that is already complete (work done synchronously by the caller).
+  static std::shared_ptr<HostEvent> completed();
+
+  void complete();
+  bool query() override { return done_.load(std::memory_order_acquire); }
+  void wait() override;
+  double elapsed_ms_since(Event& start) override;
+  std::chrono::steady_clock::time_point when() const { return when_; }
+
+ private:
+  std::atomic<bool> done_{false};
+  std::chrono::steady_clock::time_point when_{};
+  std::mutex mu_;
+  std::condition_variable cv_;
+};
+
+}  // namespace offcache

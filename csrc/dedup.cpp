@@ -1,0 +1,48 @@
+#include "dedup.h"
+
+namespace offcache {
+namespace {
+
+// Inference tensors have no version counter, so they cannot be deduplicated safely.
+bool trackable(const at::Tensor& t) { return !t.is_inference(); }
+
+}  // namespace
+
+std::optional<at::Tensor> DedupTable::find(const at::Tensor& source, c10::Device target) {
+  if (!trackable(source)) return std::nullopt;
+  auto it = entries_.find(source.unsafeGetTensorImpl());
+  if (it == entries_.end()) return std::nullopt;
+  const Entry& e = it->second;
+  // The weak reference pins the TensorImpl's address, so a live match is the
+  // same tensor, not a new one allocated where a dead one was.
+  if (e.source.expired() || e.target != target ||
+      e.version != source.unsafeGetTensorImpl()->version_counter().current_version()) {
+    return std::nullopt;
+  }
+  auto stored = e.stored.lock();
+  if (!stored) return std::nullopt;
+  return at::Tensor(std::move(stored));
+}
+
+void DedupTable::insert(const at::Tensor& source, const at::Tensor& stored, c10::Device target) {
+  if (!trackable(source)) return;
+  auto* impl = source.unsafeGetTensorImpl();
+  entries_.insert_or_assign(
+      impl, Entry{c10::weak_intrusive_ptr<c10::TensorImpl>(source.getIntrusivePtr()),
+                  c10::weak_intrusive_ptr<c10::TensorImpl>(stored.getIntrusivePtr()),
+                  impl->version_counter().current_version(), target});
+  if (++inserts_since_sweep_ >= 1024 && inserts_since_sweep_ >= entries_.size()) sweep();
+}
+
+void DedupTable::sweep() {
+  for (auto it = entries_.begin(); it != entries_.end();) {
+    if (it->second.source.expired() || it->second.stored.expired()) {
+      it = entries_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  inserts_since_sweep_ = 0;
+}
+
+}  // namespace offcache

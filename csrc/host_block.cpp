@@ -1,0 +1,30 @@
+#include "host_block.h"
+
+#include <ATen/Tensor.h>
+
+#include "engine.h"
+
+namespace offcache {
+namespace {
+
+void delete_host_block(void* ctx) {
+  auto* block = static_cast<HostBlock*>(ctx);
+  block->engine->release(block);
+}
+
+}  // namespace
+
+c10::Storage make_host_storage(HostBlock* block) {
+  c10::DataPtr data(block->block.ptr, block, &delete_host_block, c10::Device(c10::kCPU));
+  return c10::Storage(c10::Storage::use_byte_size_t(), block->block.size, std::move(data),
+                      /*allocator=*/nullptr, /*resizable=*/false);
+}
+
+HostBlock* host_block_of(const at::Tensor& t) {
+  if (!t.defined() || !t.device().is_cpu() || !t.has_storage()) return nullptr;
+  const c10::DataPtr& data = t.storage().data_ptr();
+  if (data.get_deleter() != &delete_host_block) return nullptr;
+  return static_cast<HostBlock*>(data.get_context());
+}
+
+}  // namespace offcache

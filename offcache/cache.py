@@ -1,0 +1,284 @@
+"""Drop-in replacement for llm-compressor's IntermediatesCache, on the offcache engine.
+
+Same API and results as ``llmcompressor.pipelines.cache.IntermediatesCache``
+(release 0.14.0.1); stores are asynchronous D2H copies into a pinned arena,
+fetches are batched H2D copies, and ``iter_prefetch`` double-buffers on the
+engine's H2D stream instead of a Python thread.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import fields, is_dataclass
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from offcache import _engine
+from offcache._engine import _C
+from offcache.tree import IntermediateValue, collect, plan, rebuild, tensor_leaves
+
+__all__ = ["IntermediateValue", "IntermediatesCache"]
+
+IntermediateValues = dict[str, IntermediateValue]
+_CPU = torch.device("cpu")
+Tensor = torch.Tensor
+
+
+def _as_device(device: Any, what: str) -> torch.device | None:
+    if device is None or isinstance(device, torch.device):
+        return device
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ValueError(f"{what} must be a torch.device, 'cpu', 'cuda:N' or None, got {device!r}") from exc
+
+
+def _check_offload_device(device: Any) -> torch.device | None:
+    dev = _as_device(device, "offload_device")
+    if dev is None:
+        return None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"offload_device must be 'cpu', 'cuda:N' or None, got {device!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"offload_device {device!r} needs CUDA, which is not available here")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"offload_device {device!r}: only {torch.cuda.device_count()} CUDA devices are visible")
+    return dev
+
+
+class IntermediatesCache:
+    """Per-batch activations, offloaded to `offload_device` on store and onloaded on fetch.
+
+    ``batch_intermediates[i]`` maps names to IntermediateValue trees, exactly as in
+    llm-compressor; an offloaded tensor's ``.value`` is a CPU tensor viewing arena
+    memory and its ``.device`` is where it is fetched back to. With
+    ``offload_device=None`` values stay where they are.
+    """
+
+    batch_intermediates: list[IntermediateValues]
+    offload_device: torch.device | None
+
+    def __init__(
+        self,
+        batch_intermediates: list[IntermediateValues] | None = None,
+        offload_device: torch.device | str | None = "cpu",
+    ):
+        self.batch_intermediates = batch_intermediates or []
+        self.offload_device = _check_offload_device(offload_device)
+
+    # construction ------------------------------------------------------------------
+
+    @classmethod
+    def empty(cls, num_batches: int, offload_device: torch.device | str | None):
+        """An empty cache with `num_batches` batches, filled later with update()."""
+        return cls([{} for _ in range(num_batches)], offload_device)
+
+    @classmethod
+    def from_dataloader(
+        cls,
+        dataloader: torch.utils.data.DataLoader,
+        model_device: torch.device = torch.device("cpu"),
+        offload_device: torch.device | None = torch.device("cpu"),
+    ):
+        """A cache holding every batch of `dataloader`, onloaded to `model_device` on fetch."""
+        cache = cls(None, offload_device)
+        onload = _as_device(model_device, "model_device")
+        for batch in tqdm(dataloader, desc="Preparing cache"):
+            cache.batch_intermediates.append(cache._offload_many(batch, onload, len(cache)))
+        return cache
+
+    # the llm-compressor API ----------------------------------------------------------
+
+    def fetch(self, batch_index: int, input_names: list[str] | None = None) -> dict[str, Any]:
+        """Onloaded values of batch `batch_index`; names not in the batch are left out."""
+        names, ivs = self._select(batch_index, input_names)
+        return self._onload(names, ivs, wait=True)[0]
+
+    def update(self, batch_index: int, values: dict[str, Any]) -> None:
+        """Store `values` in batch `batch_index`, replacing existing names."""
+        batch = self._batch(batch_index)
+        batch.update(self._offload_many(values, None, batch_index))
+
+    def delete(self, batch_index: int, consumed_names: list[str] | None = None) -> None:
+        """Delete names from a batch (all by default); a missing name raises KeyError."""
+        batch = self._batch(batch_index)
+        if consumed_names is None:
+            batch.clear()
+            return
+        for name in consumed_names:
+            try:
+                del batch[name]
+            except KeyError:
+                raise KeyError(f"batch {batch_index} holds no value named {name!r}") from None
+
+    def append(self, values: dict[str, Any]) -> None:
+        """Store `values` as a new batch at the end."""
+        self.batch_intermediates.append({})
+        self.update(len(self.batch_intermediates) - 1, values)
+
+    def size(self) -> dict[torch.device, int]:
+        """Bytes held per device, counting a shared tensor once (llm-compressor's accounting)."""
+        sizes: dict[torch.device, int] = defaultdict(int)
+        memo: set[int] = set()
+
+        def visit(iv: IntermediateValue) -> None:
+            value = iv.value
+            if isinstance(value, Tensor):
+                if id(value) not in memo:
+                    memo.add(id(value))
+                    sizes[value.device] += value.nbytes
+            elif isinstance(value, (list, tuple)):
+                for v in value:
+                    visit(v)
+            elif isinstance(value, dict):
+                for v in value.values():
+                    visit(v)
+            elif is_dataclass(value) and not isinstance(value, type):
+                for f in fields(value):
+                    visit(getattr(value, f.name))
+            else:  # plain leaves, as llm-compressor counts them
+                sizes[_CPU] += sys.getsizeof(value, 0)
+
+        for batch in self.batch_intermediates:
+            for iv in batch.values():
+                visit(iv)
+        return dict(sizes)
+
+    def pin_memory(self, batch_index: int, input_names: list[str] | None = None) -> None:
+        """Move values that spilled to pageable memory into the pinned arena, if the budget allows.
+
+        Arena values are pinned already; values that do not fit stay where they are.
+        """
+        batch = self._batch(batch_index)
+        leaves = [
+            leaf
+            for name, iv in batch.items()
+            if input_names is None or name in input_names
+            for leaf in tensor_leaves(iv)
+            if leaf.value.device.type == "cpu" and not _C.is_arena_tensor(leaf.value)
+        ]
+        if leaves:
+            pinned = _C.store([leaf.value for leaf in leaves], _CPU, allow_spill=False)
+            for leaf, value in zip(leaves, pinned):
+                leaf.value = value
+
+    def iter(self, input_names: list[str] | None = None) -> Iterator[dict[str, Any]]:
+        for batch_index in range(len(self.batch_intermediates)):
+            yield self.fetch(batch_index, input_names)
+
+    def iter_prefetch(self, input_names: list[str] | None = None) -> Iterator[dict[str, Any]]:
+        """Like iter(), with batch i+1's H2D copies in flight while batch i is used.
+
+        No thread: the copies run on the engine's H2D stream. The generator holds at
+        most two fetched batches (the one yielded and the next); each batch is safe
+        to use on the consumer's current stream when it is yielded.
+        """
+        n = len(self.batch_intermediates)
+        if n == 0:
+            return
+        pending = self._onload(*self._select(0, input_names), wait=False)
+        for batch_index in range(n):
+            current, tickets = pending
+            pending = None
+            if batch_index + 1 < n:
+                pending = self._onload(*self._select(batch_index + 1, input_names), wait=False)
+            for ticket in tickets:
+                ticket.wait()
+            yield current
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        yield from self.iter()
+
+    def __len__(self) -> int:
+        return len(self.batch_intermediates)
+
+    @classmethod
+    def _onload_value(cls, intermediate: IntermediateValue) -> Any:
+        """The value of one IntermediateValue, with its tensors onloaded."""
+        return _onload_ivs([intermediate], wait=True)[0][0]
+
+    @classmethod
+    def _offload_value(
+        cls,
+        value: Any,
+        offload_device: torch.device | None,
+        onload_device: torch.device | None = None,
+    ) -> IntermediateValue:
+        """The IntermediateValue of `value`, its tensors stored on `offload_device`."""
+        leaves: list[IntermediateValue] = []
+        iv = plan(value, _as_device(onload_device, "onload_device"), leaves, "value")
+        _store(leaves, _as_device(offload_device, "offload_device"))
+        return iv
+
+    # internals -----------------------------------------------------------------------
+
+    def _batch(self, batch_index: int) -> IntermediateValues:
+        try:
+            return self.batch_intermediates[batch_index]
+        except IndexError:
+            raise IndexError(
+                f"batch index {batch_index} is out of range: the cache holds "
+                f"{len(self.batch_intermediates)} batches"
+            ) from None
+        except TypeError:
+            raise TypeError(f"batch index must be an int, got {batch_index!r}") from None
+
+    def _select(self, batch_index: int, input_names: list[str] | None):
+        batch = self._batch(batch_index)
+        if input_names is None:
+            return list(batch.keys()), list(batch.values())
+        names = [k for k in batch if k in input_names]
+        return names, [batch[k] for k in names]
+
+    def _offload_many(self, values: dict[str, Any], onload: torch.device | None, batch_index: int):
+        leaves: list[IntermediateValue] = []
+        out = {name: plan(v, onload, leaves, f"batch {batch_index}, value {name!r}") for name, v in values.items()}
+        _store(leaves, self.offload_device)
+        return out
+
+    def _onload(self, names: list[str], ivs: list[IntermediateValue], wait: bool):
+        values, tickets = _onload_ivs(ivs, wait)
+        return dict(zip(names, values)), tickets
+
+
+def _store(leaves: list[IntermediateValue], offload_device: torch.device | None) -> None:
+    """Replace each leaf's source tensor by its stored copy (one engine call)."""
+    if offload_device is None or not leaves:
+        return
+    stored = _C.store([leaf.value for leaf in leaves], offload_device)
+    for leaf, value in zip(leaves, stored):
+        leaf.value = value
+    _engine.warn_if_spilled()
+
+
+def _onload_ivs(ivs: list[IntermediateValue], wait: bool) -> tuple[list[Any], list]:
+    """Onload several IntermediateValues with one engine call per target device."""
+    sources: list[Tensor] = []
+    devices: list = []
+    for iv in ivs:
+        collect(iv, sources, devices)
+    if not sources:
+        return [rebuild(iv, iter(())) for iv in ivs], []
+    out: list[Any] = list(sources)
+    tickets = []
+    groups: dict[torch.device, list[int]] = {}
+    for i, (t, dev) in enumerate(zip(sources, devices)):
+        if dev is None:
+            continue  # llm-compressor's .to(None): the value as stored
+        if dev.__class__ is not torch.device:
+            dev = torch.device(dev)
+        if t.device == dev and not _C.is_offcache_tensor(t):
+            continue  # already there (offload_device=None): no copy, like .to()
+        groups.setdefault(dev, []).append(i)
+    for dev, idx in groups.items():
+        fetched, ticket = _C.fetch([sources[i] for i in idx], dev, wait)
+        for i, t in zip(idx, fetched):
+            out[i] = t
+        tickets.append(ticket)
+    it = iter(out)
+    return [rebuild(iv, it) for iv in ivs], tickets
