@@ -6,6 +6,7 @@
 
 #include <c10/core/Device.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -45,6 +46,9 @@ class Backend {
   virtual void copy_wait(Dir dir, c10::Device device, const EventPtr& event) = 0;
   virtual void copy(Dir dir, c10::Device device, const std::vector<CopyOp>& ops) = 0;
   virtual EventPtr copy_record(Dir dir, c10::Device device, bool timed) = 0;
+  // Runs `fn` on a host thread once the copy stream reaches this point. `fn`
+  // must not call CUDA (cudaLaunchHostFunc rules).
+  virtual void host_callback(Dir dir, c10::Device device, std::function<void()> fn) = 0;
   // Tells the device allocator that `t` is used on the copy stream, so its
   // memory is not handed out again before that use completes.
   virtual void mark_used_by_copy(Dir dir, c10::Device device, const at::Tensor& t) = 0;

@@ -147,6 +147,21 @@ class CudaBackend : public Backend {
     return event;
   }
 
+  void host_callback(Dir dir, c10::Device device, std::function<void()> fn) override {
+    if (device.is_cpu()) return host_.host_callback(dir, device, std::move(fn));
+    auto* heap = new std::function<void()>(std::move(fn));
+    c10::cuda::CUDAGuard guard(device.index());
+    const cudaError_t err = cudaLaunchHostFunc(
+        stream(dir, device),
+        [](void* p) {
+          std::unique_ptr<std::function<void()>> f(static_cast<std::function<void()>*>(p));
+          (*f)();
+        },
+        heap);
+    if (err != cudaSuccess) delete heap;
+    OFFCACHE_CUDA_CHECK(err);
+  }
+
   void mark_used_by_copy(Dir dir, c10::Device device, const at::Tensor& t) override {
     if (device.is_cpu() || !t.is_cuda()) return;
     auto s = c10::cuda::getStreamFromExternal(stream(dir, device), device.index());

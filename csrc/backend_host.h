@@ -24,6 +24,9 @@ class HostBackend : public Backend {
   void copy_wait(Dir dir, c10::Device device, const EventPtr& event) override;
   void copy(Dir dir, c10::Device device, const std::vector<CopyOp>& ops) override;
   EventPtr copy_record(Dir dir, c10::Device device, bool timed) override;
+  void host_callback(Dir dir, c10::Device, std::function<void()> fn) override {
+    stream(dir).submit(std::move(fn));
+  }
   void mark_used_by_copy(Dir, c10::Device, const at::Tensor&) override {}
 
  private:

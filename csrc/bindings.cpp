@@ -17,7 +17,11 @@ namespace {
 struct Ticket {
   EventPtr event;
   c10::Device device;
-  void wait() const { global_engine().wait(event, device); }
+  std::vector<std::shared_ptr<std::atomic<bool>>> torn;
+  void wait() const {
+    global_engine().wait(event, device);
+    offcache::Engine::check_torn(torn);
+  }
   bool query() const { return event == nullptr || event->query(); }
 };
 
@@ -75,8 +79,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "fetch",
       [](const std::vector<at::Tensor>& stored, c10::Device device, bool wait) {
-        auto [tensors, event] = global_engine().fetch(stored, device, wait);
-        return std::make_pair(std::move(tensors), Ticket{event, device});
+        auto f = global_engine().fetch(stored, device, wait);
+        return std::make_pair(std::move(f.tensors), Ticket{f.done, device, std::move(f.torn)});
       },
       py::arg("stored"), py::arg("device"), py::arg("wait") = true,
       py::call_guard<py::gil_scoped_release>(),
@@ -84,6 +88,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "synchronize", [] { global_engine().synchronize(); },
       py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "wait_stored", [](const at::Tensor& t) { global_engine().wait_stored(t); },
+      py::call_guard<py::gil_scoped_release>(),
+      "Block until the store that produced `t` has written it.");
   m.def("stats", &stats_dict);
   m.def("set_pinned_limit", [](size_t bytes) { global_engine().set_limit(bytes); });
   m.def("take_spill_notice", [] { return global_engine().take_spill_notice(); });

@@ -160,11 +160,12 @@ void Engine::throttle(size_t incoming) {
 
 EventPtr Engine::issue(Dir dir, c10::Device device, const std::vector<EventPtr>& deps,
                        const std::vector<CopyOp>& ops, size_t bytes,
-                       std::vector<at::Tensor> keepalive) {
+                       std::vector<at::Tensor> keepalive, std::function<void()> after_copy) {
   throttle(bytes);
   for (const auto& dep : deps) backend_->copy_wait(dir, device, dep);
   EventPtr start = backend_->copy_record(dir, device, /*timed=*/true);
   backend_->copy(dir, device, ops);
+  if (after_copy) backend_->host_callback(dir, device, std::move(after_copy));
   EventPtr done = backend_->copy_record(dir, device, /*timed=*/true);
   for (const auto& t : keepalive) {
     if (!t.device().is_cpu()) backend_->mark_used_by_copy(dir, device, t);
@@ -183,17 +184,34 @@ EventPtr Engine::issue(Dir dir, c10::Device device, const std::vector<EventPtr>&
   return done;
 }
 
+EventPtr Engine::store_event_of(const at::Tensor& t) {
+  EventPtr dep;
+  if (HostBlock* hb = host_block_of(t)) {
+    dep = hb->stored;
+  } else if (!t.device().is_cpu() && t.has_storage()) {
+    auto it = device_stores_.find(t.storage().unsafeGetStorageImpl());
+    if (it != device_stores_.end() && !it->second.first.expired()) dep = it->second.second;
+  }
+  return dep && dep->query() ? nullptr : dep;
+}
+
 Engine::Source Engine::resolve_source(const at::Tensor& t) {
   Source s{t.is_contiguous() ? t : t.contiguous(), nullptr};
   std::lock_guard<std::mutex> lock(mu_);
-  if (HostBlock* hb = host_block_of(t)) {
-    s.dep = hb->stored;
-  } else if (!t.device().is_cpu() && t.has_storage()) {
-    auto it = device_stores_.find(t.storage().unsafeGetStorageImpl());
-    if (it != device_stores_.end() && !it->second.first.expired()) s.dep = it->second.second;
-  }
-  if (s.dep && s.dep->query()) s.dep = nullptr;
+  s.dep = store_event_of(t);
   return s;
+}
+
+void Engine::wait_stored(const at::Tensor& t) {
+  EventPtr dep;
+  std::shared_ptr<std::atomic<bool>> torn;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    dep = store_event_of(t);
+    if (HostBlock* hb = host_block_of(t)) torn = hb->torn;
+  }
+  if (dep) dep->wait();
+  check_torn({torn});
 }
 
 std::vector<at::Tensor> Engine::store(const std::vector<at::Tensor>& values, c10::Device target,
@@ -276,6 +294,10 @@ std::vector<at::Tensor> Engine::store_to_host(const std::vector<at::Tensor>& val
     std::vector<EventPtr> deps;
     std::vector<at::Tensor> keepalive;
     std::vector<HostBlock*> blocks;
+    // Sources the copy reads directly, with their versions: an in-place edit
+    // enqueued before the copy finished may tear the stored copy.
+    std::vector<std::pair<const c10::TensorImpl*, uint32_t>> watched;
+    auto torn = std::make_shared<std::atomic<bool>>(false);
     size_t bytes = 0;
     for (const auto& group : groups) {
       std::vector<size_t> offsets;
@@ -300,6 +322,10 @@ std::vector<at::Tensor> Engine::store_to_host(const std::vector<at::Tensor>& val
         const size_t i = group[k];
         Source src = resolve_source(values[i]);
         if (src.dep) deps.push_back(src.dep);
+        if (src.tensor.is_same(values[i]) && !values[i].is_inference()) {
+          const auto* impl = values[i].unsafeGetTensorImpl();
+          watched.emplace_back(impl, impl->version_counter().current_version());
+        }
         ops.push_back(CopyOp{static_cast<char*>(hb->block.ptr) + offsets[k],
                              src.tensor.data_ptr(), values[i].nbytes()});
         bytes += values[i].nbytes();
@@ -311,11 +337,18 @@ std::vector<at::Tensor> Engine::store_to_host(const std::vector<at::Tensor>& val
     if (ops.empty()) continue;
     // Producer stream -> event -> D2H copy stream.
     deps.push_back(backend_->record_current(device));
+    // The sources stay alive (keepalive) until `done`, which follows the check.
+    auto check = [watched = std::move(watched), torn] {
+      for (const auto& [impl, version] : watched) {
+        if (impl->version_counter().current_version() != version) torn->store(true);
+      }
+    };
     EventPtr done = issue(Dir::kStore, stream_device(device, c10::kCPU), deps, ops, bytes,
-                          std::move(keepalive));
+                          std::move(keepalive), std::move(check));
     std::lock_guard<std::mutex> lock(mu_);
     for (HostBlock* hb : blocks) {
       hb->stored = done;
+      hb->torn = torn;
       hb->fences.push_back(done);
     }
   }
@@ -344,8 +377,17 @@ at::Tensor Engine::store_to_device(const at::Tensor& value, c10::Device target) 
   return dst;
 }
 
-std::pair<std::vector<at::Tensor>, EventPtr> Engine::fetch(const std::vector<at::Tensor>& stored,
-                                                           c10::Device device, bool wait) {
+void Engine::check_torn(const std::vector<std::shared_ptr<std::atomic<bool>>>& flags) {
+  for (const auto& f : flags) {
+    TORCH_CHECK(!f || !f->load(),
+                "offcache: a tensor was modified in place while its store (D2H copy) was in "
+                "flight, so its stored copy may be torn. Wait for stores to finish "
+                "(offcache.synchronize()) before editing a stored tensor in place.");
+  }
+}
+
+Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device device,
+                              bool wait) {
   backend_->check_device(device);
   std::vector<at::Tensor> out(stored.size());
   std::vector<Source> sources(stored.size());
@@ -439,8 +481,15 @@ std::pair<std::vector<at::Tensor>, EventPtr> Engine::fetch(const std::vector<at:
       f.push_back(done);
     }
   }
-  if (wait && done) backend_->current_wait(device, done);
-  return {std::move(out), done};
+  std::vector<std::shared_ptr<std::atomic<bool>>> torn;
+  for (HostBlock* hb : blocks) {
+    if (hb != nullptr && hb->torn) torn.push_back(hb->torn);
+  }
+  if (wait && done) {
+    backend_->current_wait(device, done);
+    check_torn(torn);
+  }
+  return {std::move(out), done, std::move(torn)};
 }
 
 void Engine::wait(const EventPtr& event, c10::Device device) {

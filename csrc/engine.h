@@ -49,9 +49,18 @@ class Engine {
   // stored: tensors returned by store() (or any tensors). Returns copies on
   // `device` and the copy's completion event. With wait=true the current
   // stream of `device` already waits on it; otherwise call wait() before use.
-  std::pair<std::vector<at::Tensor>, EventPtr> fetch(const std::vector<at::Tensor>& stored,
-                                                     c10::Device device, bool wait);
+  struct Fetched {
+    std::vector<at::Tensor> tensors;
+    EventPtr done;
+    std::vector<std::shared_ptr<std::atomic<bool>>> torn;  // checked by check_torn()
+  };
+  Fetched fetch(const std::vector<at::Tensor>& stored, c10::Device device, bool wait);
+  // Raises if a value's store read a source that was being modified in place.
+  static void check_torn(const std::vector<std::shared_ptr<std::atomic<bool>>>& flags);
   void wait(const EventPtr& event, c10::Device device);
+  // Blocks the calling thread until the store that produced `t` has completed,
+  // so its memory can be read directly.
+  void wait_stored(const at::Tensor& t);
   // Waits for every copy in flight and frees what can be freed.
   void synchronize();
 
@@ -79,11 +88,13 @@ class Engine {
   };
 
   Source resolve_source(const at::Tensor& t);
+  EventPtr store_event_of(const at::Tensor& t);  // needs mu_
   HostBlock* allocate_host(size_t bytes, bool allow_spill);  // needs mu_
   void free_block(const Block& block);                        // needs mu_
   // Issues one batch of copies on the copy stream of `device`.
   EventPtr issue(Dir dir, c10::Device device, const std::vector<EventPtr>& deps,
-                 const std::vector<CopyOp>& ops, size_t bytes, std::vector<at::Tensor> keepalive);
+                 const std::vector<CopyOp>& ops, size_t bytes, std::vector<at::Tensor> keepalive,
+                 std::function<void()> after_copy = nullptr);
   void throttle(size_t incoming);
   // Moves completed in-flight entries out (destroyed by the caller, unlocked).
   std::vector<InFlight> reap_locked();

@@ -7,6 +7,8 @@
 #include <ATen/Tensor.h>
 #include <c10/core/Storage.h>
 
+#include <atomic>
+#include <memory>
 #include <vector>
 
 #include "core/arena.h"
@@ -22,6 +24,8 @@ struct HostBlock {
   bool pinned = false;  // true: arena memory; false: spilled to pageable memory
   EventPtr stored;      // completion of the store that filled the block
   std::vector<EventPtr> fences;  // store and fetch events still touching it
+  // Set when a source was modified in place while the store was copying it.
+  std::shared_ptr<std::atomic<bool>> torn;
 };
 
 constexpr uint32_t kPageableChunk = UINT32_MAX;

@@ -127,7 +127,7 @@ class IntermediatesCache:
         memo: set[int] = set()
 
         def visit(iv: IntermediateValue) -> None:
-            value = iv.value
+            value = iv._value
             if isinstance(value, Tensor):
                 if id(value) not in memo:
                     memo.add(id(value))
@@ -160,12 +160,13 @@ class IntermediatesCache:
             for name, iv in batch.items()
             if input_names is None or name in input_names
             for leaf in tensor_leaves(iv)
-            if leaf.value.device.type == "cpu" and not _C.is_arena_tensor(leaf.value)
+            if leaf._value.device.type == "cpu" and not _C.is_arena_tensor(leaf._value)
         ]
         if leaves:
-            pinned = _C.store([leaf.value for leaf in leaves], _CPU, allow_spill=False)
+            pinned = _C.store([leaf._value for leaf in leaves], _CPU, allow_spill=False)
             for leaf, value in zip(leaves, pinned):
-                leaf.value = value
+                if value is not leaf._value:
+                    leaf._value, leaf._pending = value, True
 
     def iter(self, input_names: list[str] | None = None) -> Iterator[dict[str, Any]]:
         for batch_index in range(len(self.batch_intermediates)):
@@ -250,9 +251,9 @@ def _store(leaves: list[IntermediateValue], offload_device: torch.device | None)
     """Replace each leaf's source tensor by its stored copy (one engine call)."""
     if offload_device is None or not leaves:
         return
-    stored = _C.store([leaf.value for leaf in leaves], offload_device)
+    stored = _C.store([leaf._value for leaf in leaves], offload_device)
     for leaf, value in zip(leaves, stored):
-        leaf.value = value
+        leaf._value, leaf._pending = value, True
     _engine.warn_if_spilled()
 
 

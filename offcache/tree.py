@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from offcache._engine import _C
+
 Tensor = torch.Tensor
 _PLAIN_LEAVES = (int, str, float, bool, torch.dtype, torch.device, type(None))
 
@@ -23,10 +25,31 @@ class IntermediateValue:
 
     :param value: an offloaded tensor, a plain leaf, or a container of IntermediateValues
     :param device: for a tensor, the device it is fetched back to; otherwise None
+
+    Stores are asynchronous: reading ``.value`` waits, once, for the copy that
+    fills it. The cache itself reads ``_value``, since its fetches are ordered
+    after the store by events.
     """
 
     value: torch.Tensor | IntermediateValue | Any
     device: torch.device | None
+
+    _pending = False  # a store into `_value` may still be in flight
+
+
+def _get_value(self: IntermediateValue) -> Any:
+    if self._pending:
+        _C.wait_stored(self._value)
+        self._pending = False
+    return self._value
+
+
+def _set_value(self: IntermediateValue, value: Any) -> None:
+    self._value = value
+    self._pending = False
+
+
+IntermediateValue.value = property(_get_value, _set_value)  # type: ignore[assignment]
 
 
 def check_tensor(t: Tensor, where: str) -> None:
@@ -45,7 +68,7 @@ def plan(value: Any, onload: torch.device | None, leaves: list, where: str) -> I
     """IntermediateValue tree for `value`; tensor leaves are appended to `leaves`.
 
     Each appended leaf still holds the source tensor; the caller replaces
-    `.value` with the stored copy.
+    `_value` with the stored copy.
     """
     if isinstance(value, Tensor):
         check_tensor(value, where)
@@ -72,7 +95,7 @@ def plan(value: Any, onload: torch.device | None, leaves: list, where: str) -> I
 
 def collect(iv: IntermediateValue, sources: list, devices: list) -> None:
     """Append every tensor leaf of `iv` and its onload device, in rebuild order."""
-    value = iv.value
+    value = iv._value
     if isinstance(value, Tensor):
         sources.append(value)
         devices.append(iv.device)
@@ -96,7 +119,7 @@ def _collect_item(v: Any, sources: list, devices: list) -> None:
 
 def rebuild(iv: IntermediateValue, fetched) -> Any:
     """The value of `iv` with its tensor leaves taken, in order, from the iterator `fetched`."""
-    value = iv.value
+    value = iv._value
     if isinstance(value, Tensor):
         return next(fetched)
     if isinstance(value, IntermediateValue):
@@ -122,7 +145,7 @@ def tensor_leaves(iv: IntermediateValue) -> list[IntermediateValue]:
     stack = [iv]
     while stack:
         node = stack.pop()
-        value = node.value
+        value = node._value
         if isinstance(value, Tensor):
             out.append(node)
             continue

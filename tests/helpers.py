@@ -1,0 +1,63 @@
+"""Deep comparison of cached values and the value shapes the tests store."""
+
+from collections import OrderedDict, namedtuple
+from dataclasses import dataclass, fields, is_dataclass
+
+import torch
+
+Pair = namedtuple("Pair", ["cos", "sin"])
+
+
+@dataclass(frozen=True)
+class Frozen:
+    hidden: torch.Tensor
+    extra: object = None
+
+
+@dataclass
+class Outer:
+    inner: Frozen
+    items: list
+    scale: float = 1.0
+
+
+def assert_same(got, want, path="value"):
+    """Equal structure, container types, dtypes, shapes and bits."""
+    assert type(got) is type(want), f"{path}: {type(got)} != {type(want)}"
+    if isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype and got.shape == want.shape, f"{path}: {got.dtype}{tuple(got.shape)}"
+        assert got.device == want.device, f"{path}: device {got.device} != {want.device}"
+        assert torch.equal(got.cpu().view(torch.uint8) if want.dtype == torch.bool else got.cpu(),
+                           want.cpu().view(torch.uint8) if want.dtype == torch.bool else want.cpu()), path
+    elif is_dataclass(want):
+        for f in fields(want):
+            assert_same(getattr(got, f.name), getattr(want, f.name), f"{path}.{f.name}")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), path
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_same(g, w, f"{path}[{i}]")
+    elif isinstance(want, dict):
+        assert list(got.keys()) == list(want.keys()), path
+        for k in want:
+            assert_same(got[k], want[k], f"{path}[{k!r}]")
+    else:
+        assert got == want, f"{path}: {got!r} != {want!r}"
+
+
+def snapshot(value):
+    """A deep copy with cloned tensors: what the cache must give back later."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if is_dataclass(value) and not isinstance(value, type):
+        return type(value)(**{f.name: snapshot(getattr(value, f.name)) for f in fields(value)})
+    if isinstance(value, tuple):
+        items = [snapshot(v) for v in value]
+        return type(value)(*items) if hasattr(type(value), "_fields") else type(value)(items)
+    if isinstance(value, list):
+        return [snapshot(v) for v in value]
+    if isinstance(value, dict):
+        return type(value)((k, snapshot(v)) for k, v in value.items())
+    return value
+
+
+__all__ = ["Frozen", "OrderedDict", "Outer", "Pair", "assert_same", "snapshot"]

@@ -1,0 +1,247 @@
+"""IntermediatesCache: llm-compressor's API and semantics, nested values, prefetch."""
+
+import warnings
+
+import pytest
+import torch
+
+import offcache
+from offcache import IntermediatesCache, IntermediateValue, _C
+from tests.helpers import Frozen, OrderedDict, Outer, Pair, assert_same
+
+try:
+    from llmcompressor.pipelines.cache import IntermediatesCache as LCCache
+except ImportError:  # pragma: no cover - CI installs llm-compressor
+    LCCache = None
+
+needs_llmc = pytest.mark.skipif(LCCache is None, reason="llm-compressor is not installed")
+
+
+def batch_values(seed):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(1, 16, 32, generator=g).to(torch.bfloat16)
+    return {
+        "hidden_states": h,
+        "attention_mask": torch.ones(1, 1, 16, 16, dtype=torch.bool),
+        "position_ids": torch.arange(16).unsqueeze(0),
+        "position_embeddings": (torch.randn(1, 16, 8, generator=g), torch.randn(1, 16, 8, generator=g)),
+        "use_cache": False,
+        "layer_idx": 3,
+        "nothing": None,
+    }
+
+
+def test_fetch_returns_stored_values_and_leaves_out_missing_names():
+    cache = IntermediatesCache.empty(2, "cpu")
+    v = batch_values(0)
+    cache.update(0, v)
+    assert_same(cache.fetch(0), v)
+    got = cache.fetch(0, ["hidden_states", "not_there"])
+    assert list(got) == ["hidden_states"]
+    assert cache.fetch(1) == {}
+
+
+def test_offloaded_values_are_cpu_arena_tensors_with_onload_device():
+    cache = IntermediatesCache.empty(1, "cpu")
+    x = torch.randn(8)
+    cache.update(0, {"x": x})
+    iv = cache.batch_intermediates[0]["x"]
+    assert isinstance(iv, IntermediateValue)
+    assert iv.value.device.type == "cpu" and iv.device == x.device
+    assert _C.is_offcache_tensor(iv.value)
+
+
+def test_update_overwrites_and_delete_semantics():
+    cache = IntermediatesCache.empty(1, "cpu")
+    cache.update(0, {"a": torch.zeros(3), "b": torch.ones(3)})
+    cache.update(0, {"a": torch.full((3,), 5.0)})
+    assert torch.equal(cache.fetch(0)["a"], torch.full((3,), 5.0))
+    cache.delete(0, ["a"])
+    assert list(cache.fetch(0)) == ["b"]
+    with pytest.raises(KeyError, match="'a'"):
+        cache.delete(0, ["a"])
+    cache.delete(0)
+    assert cache.fetch(0) == {}
+
+
+def test_append_len_and_iteration():
+    cache = IntermediatesCache(None, "cpu")
+    for i in range(3):
+        cache.append({"i": torch.tensor([i])})
+    assert len(cache) == 3
+    assert [b["i"].item() for b in cache] == [0, 1, 2]
+
+
+def test_bad_batch_index_names_the_number_of_batches():
+    cache = IntermediatesCache.empty(3, "cpu")
+    with pytest.raises(IndexError, match="3 batches"):
+        cache.fetch(7)
+    with pytest.raises(IndexError, match="3 batches"):
+        cache.update(3, {"x": torch.zeros(1)})
+    with pytest.raises(TypeError, match="int"):
+        cache.fetch("0")
+
+
+@pytest.mark.parametrize("bad", ["gpu", "cuda:99", "tpu:0", 3.5, "meta"])
+def test_invalid_offload_device_is_rejected_at_construction(bad):
+    with pytest.raises(ValueError, match="offload_device"):
+        IntermediatesCache.empty(1, bad)
+
+
+def test_bad_values_name_batch_and_value():
+    cache = IntermediatesCache.empty(2, "cpu")
+    with pytest.raises(TypeError, match=r"batch 1, value 'mask'.*layout"):
+        cache.update(1, {"mask": torch.eye(3).to_sparse()})
+    with pytest.raises(ValueError, match=r"batch 0, value 'm'.*meta"):
+        cache.update(0, {"m": (torch.zeros(1), torch.empty(2, device="meta"))})
+    with pytest.raises(TypeError, match=r"batch 0, value 'q'.*quantized"):
+        cache.update(0, {"q": torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)})
+    with pytest.raises(TypeError, match=r"batch 0, value 'n'.*nested"):
+        cache.update(0, {"n": torch.nested.nested_tensor([torch.randn(2), torch.randn(3)])})
+    assert cache.fetch(0) == {} and cache.fetch(1) == {}  # nothing half-stored
+
+
+def test_nested_values_keep_their_types():
+    h = torch.randn(2, 3)
+    value = Outer(inner=Frozen(h, extra="tag"), items=[h * 2, (h, None)], scale=0.5)
+    out = {
+        "outer": value,
+        "pair": Pair(torch.randn(4), torch.randn(4)),
+        "ordered": OrderedDict(a=torch.randn(2), b=3),
+        "dtype": torch.float16,
+        "device": torch.device("cpu"),
+        "text": "hello",
+    }
+    cache = IntermediatesCache.empty(1, "cpu")
+    cache.update(0, out)
+    got = cache.fetch(0)
+    assert_same(got, out)
+    assert isinstance(got["pair"], Pair) and got["pair"].cos is not None
+
+
+def test_model_output_keeps_its_type():
+    transformers = pytest.importorskip("transformers")
+    out = transformers.modeling_outputs.BaseModelOutputWithPast(last_hidden_state=torch.randn(1, 4, 8))
+    cache = IntermediatesCache.empty(1, "cpu")
+    cache.update(0, {"out": out})
+    got = cache.fetch(0)["out"]
+    assert type(got) is type(out)
+    assert torch.equal(got.last_hidden_state, out.last_hidden_state)
+    assert torch.equal(got[0], out[0])
+
+
+def test_unknown_leaf_types_warn_like_llmcompressor():
+    class Thing:
+        pass
+
+    thing = Thing()
+    cache = IntermediatesCache.empty(1, "cpu")
+    with pytest.warns(UserWarning, match="Offloading not implemented"):
+        cache.update(0, {"t": thing})
+    assert cache.fetch(0)["t"] is thing
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cache.update(0, {"ok": (1, 2.0, "s", None, torch.int8, torch.device("cpu"), True)})
+
+
+def test_shared_tensor_is_stored_once_across_names_and_batches():
+    x = torch.randn(64)
+    cache = IntermediatesCache.empty(2, "cpu")
+    cache.update(0, {"a": x, "b": (x, x)})
+    cache.update(1, {"c": x})
+    ptrs = {cache.batch_intermediates[0]["a"].value.data_ptr(), cache.batch_intermediates[1]["c"].value.data_ptr()}
+    assert len(ptrs) == 1
+    assert cache.size() == {torch.device("cpu"): x.nbytes}
+
+
+def test_in_place_edit_after_store_is_not_served_stale():
+    x = torch.zeros(8)
+    cache = IntermediatesCache.empty(2, "cpu")
+    cache.update(0, {"x": x})
+    offcache.synchronize()  # sources may be edited once their store completed
+    x.fill_(3.0)
+    cache.update(1, {"x": x})
+    assert torch.equal(cache.fetch(0)["x"], torch.zeros(8))
+    assert torch.equal(cache.fetch(1)["x"], torch.full((8,), 3.0))
+
+
+def test_offload_device_none_keeps_values_in_place():
+    x = torch.randn(5)
+    cache = IntermediatesCache.empty(1, None)
+    cache.update(0, {"x": x, "t": (x,)})
+    got = cache.fetch(0)
+    assert got["x"] is x and got["t"][0] is x
+
+
+def test_iter_and_iter_prefetch_yield_identical_values(host_engine):
+    host_engine(backend="host", host_copy_delay_us=100)
+    cache = IntermediatesCache.empty(6, "cpu")
+    for i in range(6):
+        cache.update(i, batch_values(i))
+    plain = list(cache.iter(["hidden_states", "position_embeddings", "use_cache"]))
+    pre = list(cache.iter_prefetch(["hidden_states", "position_embeddings", "use_cache"]))
+    assert len(plain) == len(pre) == 6
+    for a, b in zip(plain, pre):
+        assert_same(b, a)
+    assert list(IntermediatesCache.empty(0, "cpu").iter_prefetch()) == []
+
+
+def test_iter_prefetch_runs_at_most_one_batch_ahead(host_engine):
+    cache = IntermediatesCache.empty(5, "cpu")
+    for i in range(5):
+        cache.update(i, {"x": torch.full((4,), float(i))})
+    start = offcache.stats()["fetches"]
+    for i, batch in enumerate(cache.iter_prefetch()):
+        fetched = offcache.stats()["fetches"] - start
+        assert fetched == min(i + 2, 5)  # this batch and the next, never more
+        assert torch.equal(batch["x"], torch.full((4,), float(i)))
+
+
+def test_from_dataloader_records_model_device():
+    data = [{"input_ids": torch.arange(4) + i, "mask": torch.ones(4)} for i in range(3)]
+    loader = torch.utils.data.DataLoader(data, batch_size=None)
+    cache = IntermediatesCache.from_dataloader(loader, torch.device("cpu"), torch.device("cpu"))
+    assert len(cache) == 3
+    assert cache.batch_intermediates[1]["input_ids"].device == torch.device("cpu")
+    assert torch.equal(cache.fetch(2)["input_ids"], torch.arange(4) + 2)
+
+
+def test_offload_and_onload_value_classmethods():
+    v = (torch.randn(3), {"k": torch.randn(2)})
+    iv = IntermediatesCache._offload_value(v, torch.device("cpu"))
+    assert isinstance(iv, IntermediateValue) and iv.device is None
+    assert_same(IntermediatesCache._onload_value(iv), v)
+
+
+def test_hand_built_batch_intermediates_are_fetched():
+    x = torch.randn(4)
+    cache = IntermediatesCache([{"x": IntermediateValue(value=x, device=torch.device("cpu"))}], "cpu")
+    assert torch.equal(cache.fetch(0)["x"], x)
+
+
+def test_gc_of_a_cache_returns_pinned_bytes(host_engine):
+    cache = IntermediatesCache.empty(8, "cpu")
+    for i in range(8):
+        cache.update(i, batch_values(i))
+    offcache.synchronize()
+    assert offcache.stats()["pinned_in_use_bytes"] > 0
+    del cache
+    offcache.synchronize()
+    assert offcache.stats()["pinned_in_use_bytes"] == 0
+
+
+@needs_llmc
+def test_same_results_and_sizes_as_llmcompressor():
+    ours, theirs = IntermediatesCache.empty(3, "cpu"), LCCache.empty(3, "cpu")
+    for i in range(3):
+        v = batch_values(i)
+        ours.update(i, v)
+        theirs.update(i, v)
+    ours.delete(1, ["position_ids"])
+    theirs.delete(1, ["position_ids"])
+    for names in (None, ["hidden_states", "position_embeddings", "x"]):
+        for a, b in zip(ours.iter(names), theirs.iter(names)):
+            assert_same(a, b)
+        for a, b in zip(ours.iter_prefetch(names), theirs.iter_prefetch(names)):
+            assert_same(a, b)
+    assert ours.size() == theirs.size()

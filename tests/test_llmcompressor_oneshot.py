@@ -1,0 +1,112 @@
+"""Integration: llm-compressor's real sequential pipeline with offcache patched in.
+
+A tiny random Llama and a tokenizer are built in the test (no hub access).
+GPTQ W4A16 through `oneshot(pipeline="sequential")` must give bit-identical
+weights with and without the patch, with and without sequential prefetch.
+"""
+
+import pytest
+import torch
+
+import offcache
+
+llmcompressor = pytest.importorskip("llmcompressor")
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+datasets = pytest.importorskip("datasets")
+
+pytestmark = pytest.mark.slow
+
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(path)
+    words = [f"w{i}" for i in range(VOCAB - 4)]
+    vocab = {"<unk>": 0, "<pad>": 1, "<s>": 2, "</s>": 3} | {w: i + 4 for i, w in enumerate(words)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )
+    fast.save_pretrained(path)
+    return path
+
+
+def calibration_set(n=6, length=24):
+    g = torch.Generator().manual_seed(1)
+    rows = [torch.randint(4, VOCAB, (length,), generator=g).tolist() for _ in range(n)]
+    return datasets.Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * length] * n})
+
+
+def quantize(model_dir, prefetch):
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import GPTQModifier
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    oneshot(
+        model=model,
+        tokenizer=tokenizer,
+        dataset=calibration_set(),
+        recipe=GPTQModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"]),
+        num_calibration_samples=6,
+        max_seq_length=24,
+        pipeline="sequential",
+        shuffle_calibration_samples=False,
+        sequential_prefetch=prefetch,
+    )
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("prefetch", [False, True], ids=["iter", "iter_prefetch"])
+def test_gptq_weights_bit_identical_with_offcache(tiny_model_dir, prefetch):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        offcache.unpatch_llmcompressor()
+        reference = quantize(tiny_model_dir, prefetch)
+        patched = offcache.patch_llmcompressor()
+        assert "llmcompressor.pipelines.sequential.pipeline" in patched
+        stores = offcache.stats()["stores"]
+        ours = quantize(tiny_model_dir, prefetch)
+        assert offcache.stats()["stores"] > stores, "offcache's cache was not used"
+    finally:
+        offcache.unpatch_llmcompressor()
+        torch.set_num_threads(threads)
+    assert reference.keys() == ours.keys()
+    assert any("weight_scale" in k for k in ours), "the model was not quantized"
+    for k in reference:
+        assert reference[k].dtype == ours[k].dtype, k
+        assert torch.equal(reference[k], ours[k]), f"{k} differs"
+
+
+def test_patch_is_idempotent_and_reversible():
+    from llmcompressor.modifiers.transform.awq import base as awq
+    from llmcompressor.pipelines import cache as lc_cache
+    from llmcompressor.pipelines.sequential import pipeline as seq
+
+    original = lc_cache.IntermediatesCache
+    offcache.patch_llmcompressor()
+    offcache.patch_llmcompressor()
+    try:
+        for module in (lc_cache, seq, awq):
+            assert module.IntermediatesCache is offcache.IntermediatesCache
+    finally:
+        offcache.unpatch_llmcompressor()
+    for module in (lc_cache, seq, awq):
+        assert module.IntermediatesCache is original
