@@ -1,7 +1,7 @@
 """offcache: GPU <-> pinned-host tensor cache with asynchronous copies.
 
-    import offcache
-    offcache.patch_llmcompressor()   # llm-compressor now uses offcache's cache
+import offcache
+offcache.patch_llmcompressor()   # llm-compressor now uses offcache's cache
 """
 
 __version__ = "0.1.0"

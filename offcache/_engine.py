@@ -103,9 +103,7 @@ def configure(
         min_chunk=parse_size(min_chunk or env("OFFCACHE_CHUNK_BYTES") or "16MiB"),
         max_in_flight=parse_size(max_in_flight or env("OFFCACHE_MAX_IN_FLIGHT") or "1GiB"),
         host_copy_delay_us=int(
-            host_copy_delay_us
-            if host_copy_delay_us is not None
-            else env("OFFCACHE_HOST_COPY_DELAY_US", "0") or 0
+            host_copy_delay_us if host_copy_delay_us is not None else env("OFFCACHE_HOST_COPY_DELAY_US", "0") or 0
         ),
     )
 

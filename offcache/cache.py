@@ -223,8 +223,7 @@ class IntermediatesCache:
             return self.batch_intermediates[batch_index]
         except IndexError:
             raise IndexError(
-                f"batch index {batch_index} is out of range: the cache holds "
-                f"{len(self.batch_intermediates)} batches"
+                f"batch index {batch_index} is out of range: the cache holds {len(self.batch_intermediates)} batches"
             ) from None
         except TypeError:
             raise TypeError(f"batch index must be an int, got {batch_index!r}") from None

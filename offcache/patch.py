@@ -19,10 +19,9 @@ def patch_llmcompressor() -> list[str]:
     since llmcompressor.pipelines.cache is patched at its source). Idempotent.
     Returns the patched module names.
     """
+    import llmcompressor.modifiers.transform.awq.base  # noqa: F401
     import llmcompressor.pipelines.cache as source  # noqa: F401  (import the original)
     import llmcompressor.pipelines.sequential.pipeline  # noqa: F401
-    import llmcompressor.modifiers.transform.awq.base  # noqa: F401
-
     from llmcompressor.pipelines import cache as original_module
 
     originals = {

@@ -1,7 +1,5 @@
 """Shared fixtures. GPU tests are marked `gpu` and skipped here, in one place."""
 
-import os
-
 import pytest
 import torch
 
@@ -33,19 +31,3 @@ def engine_config():
 def host_engine(engine_config):
     engine_config(backend="host")
     return engine_config
-
-
-def backend_configs():
-    """The engine configurations every model-based test runs under."""
-    return [
-        pytest.param({}, id="default"),
-        pytest.param({"backend": "host"}, id="host"),
-        pytest.param(
-            {"backend": "host", "pinned_limit": "1MiB", "min_chunk": "256KiB", "host_copy_delay_us": 200},
-            id="host-1MiB-slow",
-        ),
-    ]
-
-
-CPU = torch.device("cpu")
-GPU_DEVICE = torch.device(os.environ.get("OFFCACHE_TEST_DEVICE", "cuda:0"))

@@ -27,8 +27,10 @@ def assert_same(got, want, path="value"):
     if isinstance(want, torch.Tensor):
         assert got.dtype == want.dtype and got.shape == want.shape, f"{path}: {got.dtype}{tuple(got.shape)}"
         assert got.device == want.device, f"{path}: device {got.device} != {want.device}"
-        assert torch.equal(got.cpu().view(torch.uint8) if want.dtype == torch.bool else got.cpu(),
-                           want.cpu().view(torch.uint8) if want.dtype == torch.bool else want.cpu()), path
+        assert torch.equal(
+            got.cpu().view(torch.uint8) if want.dtype == torch.bool else got.cpu(),
+            want.cpu().view(torch.uint8) if want.dtype == torch.bool else want.cpu(),
+        ), path
     elif is_dataclass(want):
         for f in fields(want):
             assert_same(getattr(got, f.name), getattr(want, f.name), f"{path}.{f.name}")
@@ -60,4 +62,20 @@ def snapshot(value):
     return value
 
 
-__all__ = ["Frozen", "OrderedDict", "Outer", "Pair", "assert_same", "snapshot"]
+def backend_configs():
+    """The engine configurations every model-based test runs under."""
+    import pytest
+
+    return [
+        pytest.param({}, id="default"),
+        pytest.param({"backend": "host"}, id="host"),
+        pytest.param(
+            {"backend": "host", "pinned_limit": "1MiB", "min_chunk": "256KiB", "host_copy_delay_us": 200},
+            id="host-1MiB-slow",
+        ),
+    ]
+
+
+CPU = torch.device("cpu")
+
+__all__ = ["CPU", "backend_configs", "Frozen", "OrderedDict", "Outer", "Pair", "assert_same", "snapshot"]

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import offcache
-from offcache import IntermediatesCache, IntermediateValue, _C
-from tests.helpers import Frozen, OrderedDict, Outer, Pair, assert_same
+from offcache import _C, IntermediatesCache, IntermediateValue
+from helpers import Frozen, OrderedDict, Outer, Pair, assert_same
 
 try:
     from llmcompressor.pipelines.cache import IntermediatesCache as LCCache
@@ -149,7 +149,10 @@ def test_shared_tensor_is_stored_once_across_names_and_batches():
     cache = IntermediatesCache.empty(2, "cpu")
     cache.update(0, {"a": x, "b": (x, x)})
     cache.update(1, {"c": x})
-    ptrs = {cache.batch_intermediates[0]["a"].value.data_ptr(), cache.batch_intermediates[1]["c"].value.data_ptr()}
+    ptrs = {
+        cache.batch_intermediates[0]["a"].value.data_ptr(),
+        cache.batch_intermediates[1]["c"].value.data_ptr(),
+    }
     assert len(ptrs) == 1
     assert cache.size() == {torch.device("cpu"): x.nbytes}
 

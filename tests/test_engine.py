@@ -1,6 +1,7 @@
 """The engine through the host backend: arena, dedup, ordering, deferred frees, batching."""
 
 import multiprocessing as mp
+import os
 import threading
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 
 import offcache
 from offcache import _C
-from tests.conftest import CPU
+from helpers import CPU
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.bool, torch.complex64]
 
@@ -41,7 +42,10 @@ def test_roundtrip_bit_exact(host_engine, dtype, shape):
     assert stored.data_ptr() != x.data_ptr()
     (back,), _ = _C.fetch([stored], CPU, True)
     assert back.dtype == dtype and back.shape == x.shape
-    assert torch.equal(back.view(torch.uint8) if dtype == torch.bool else back, x.view(torch.uint8) if dtype == torch.bool else x)
+    assert torch.equal(
+        back.view(torch.uint8) if dtype == torch.bool else back,
+        x.view(torch.uint8) if dtype == torch.bool else x,
+    )
     assert back.data_ptr() != stored.data_ptr()
 
 
@@ -291,8 +295,12 @@ def test_unknown_backend_is_rejected():
 def test_build_info():
     info = offcache.build_info()
     assert set(info) >= {"version", "torch", "cuda", "cuda_version", "backend"}
+    assert info["version"] == offcache.__version__
     assert info["backend"] in ("host", "cuda")
-    assert info["cuda"] == (torch.version.cuda is not None) or not info["cuda"]
+    if info["cuda"]:
+        assert torch.version.cuda is not None and info["cuda_version"]
+    if os.environ.get("OFFCACHE_EXPECT_CUDA") == "1":  # set by scripts/test.sh when a toolkit is present
+        assert info["cuda"], "the CUDA path was not compiled"
     if not torch.cuda.is_available():
         assert info["backend"] == "host"
 

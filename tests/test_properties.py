@@ -15,8 +15,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import offcache
 from offcache import IntermediatesCache
-from tests.conftest import backend_configs
-from tests.helpers import Frozen, Pair, assert_same, snapshot
+from helpers import backend_configs
+from helpers import Frozen, Pair, assert_same, snapshot
 
 NAMES = ["h", "mask", "pos", "emb", "out"]
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.bool]

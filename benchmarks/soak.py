@@ -1,0 +1,85 @@
+"""Soak: many store/fetch/delete operations must keep RSS and pinned bytes flat.
+
+    python benchmarks/soak.py [--ops 100000] [--json OUT]
+
+Prints RSS and engine bytes at intervals and the growth between the first and
+last quarter of the run. tests/test_soak.py runs a small version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+import offcache
+
+
+def rss_bytes() -> int:
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def soak(ops: int, device: torch.device, batches: int = 16, samples: int = 20) -> dict:
+    cache = offcache.IntermediatesCache.empty(batches, "cpu")
+    shared = torch.randn(64, 32, device=device)
+    points = []
+    for op in range(ops):
+        b = op % batches
+        kind = op % 3
+        if kind == 0:
+            cache.update(b, {"h": torch.randn(4, 256, device=device), "pos": (shared, shared * 2), "n": op})
+        elif kind == 1:
+            got = cache.fetch(b)
+            if "h" in got and got["h"].shape != (4, 256):
+                raise AssertionError(f"op {op}: wrong shape {got['h'].shape}")
+        else:
+            cache.delete(b)
+        if op % max(1, ops // samples) == 0 or op == ops - 1:
+            offcache.synchronize()
+            s = offcache.stats()
+            points.append({"op": op, "rss": rss_bytes(), "pinned_in_use": s["pinned_in_use_bytes"],
+                           "pinned_reserved": s["pinned_reserved_bytes"]})  # fmt: skip
+    del cache
+    offcache.synchronize()
+    end = offcache.stats()
+    q = max(1, len(points) // 4)
+    first, last = points[:q], points[-q:]
+
+    def growth(key):
+        return max(p[key] for p in last) - max(p[key] for p in first)
+
+    return {
+        "ops": ops,
+        "points": points,
+        "rss_growth_bytes": growth("rss"),
+        "pinned_in_use_growth_bytes": growth("pinned_in_use"),
+        "pinned_reserved_growth_bytes": growth("pinned_reserved"),
+        "pinned_in_use_after_gc": end["pinned_in_use_bytes"],
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--ops", type=int, default=100_000)
+    p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--json", type=str, default=None)
+    args = p.parse_args(argv)
+    result = soak(args.ops, torch.device(args.device))
+    for pt in result["points"]:
+        print(f"op {pt['op']:>7}  rss {pt['rss'] >> 20:>6} MiB  pinned in use {pt['pinned_in_use'] >> 10:>8} KiB")
+    print(
+        f"growth first->last quarter: rss {result['rss_growth_bytes'] >> 10} KiB, "
+        f"pinned in use {result['pinned_in_use_growth_bytes']} B; after gc: {result['pinned_in_use_after_gc']} B"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""Sections pipeline and pinned: a simulated llm-compressor sequential pipeline.
+
+B batches x L layers. Each batch holds hidden states [1, S, H] (bf16 on GPU),
+an attention mask, position ids and a (cos, sin) tuple. Each layer makes two
+passes as llm-compressor does: a calibration pass (fetch -> compute) and a
+propagation pass (fetch -> compute -> update -> delete).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+import offcache
+from offcache.bench.common import Context
+
+
+@dataclass
+class Shape:
+    batches: int
+    layers: int
+    seq: int
+    hidden: int
+    matmuls: int  # per batch and pass: the layer's compute
+
+    @classmethod
+    def for_context(cls, ctx: Context) -> Shape:
+        if ctx.tiny:
+            return cls(4, 2, 32, 64, 1)
+        if not ctx.gpu:
+            return cls(8 if ctx.quick else 16, 2 if ctx.quick else 3, 128, 256, 2)
+        return cls(16 if ctx.quick else 64, 2 if ctx.quick else 4, 2048, 4096, 8)
+
+
+def make_batch(ctx: Context, shape: Shape, seed: int) -> dict:
+    g = torch.Generator(device=ctx.device).manual_seed(seed)
+    dtype = torch.bfloat16 if ctx.gpu else torch.float32
+    s, h = shape.seq, shape.hidden
+    return {
+        "h0": torch.randn(1, s, h, generator=g, device=ctx.device).to(dtype),
+        "attention_mask": torch.ones(1, 1, s, s, dtype=torch.bool, device=ctx.device).tril(),
+        "position_ids": torch.arange(s, device=ctx.device).unsqueeze(0),
+        "position_embeddings": (
+            torch.randn(1, s, 128, generator=g, device=ctx.device).to(dtype),
+            torch.randn(1, s, 128, generator=g, device=ctx.device).to(dtype),
+        ),
+    }
+
+
+def implementations(ctx: Context) -> dict:
+    """name -> (cache class, offload device, prefetch)."""
+    impls = {
+        "offcache_iter": (offcache.IntermediatesCache, "cpu", False),
+        "offcache_iter_prefetch": (offcache.IntermediatesCache, "cpu", True),
+    }
+    try:
+        offcache.unpatch_llmcompressor()
+        from llmcompressor.pipelines.cache import IntermediatesCache as LC
+
+        impls["llmcompressor_iter"] = (LC, "cpu", False)
+        impls["llmcompressor_iter_prefetch"] = (LC, "cpu", True)
+    except ImportError:
+        pass
+    impls["ideal_on_gpu"] = (offcache.IntermediatesCache, None, False)
+    return impls
+
+
+def run_one(ctx: Context, shape: Shape, cls, offload, prefetch: bool) -> dict:
+    dtype = torch.bfloat16 if ctx.gpu else torch.float32
+    weight = torch.randn(shape.hidden, shape.hidden, device=ctx.device, dtype=dtype) / shape.hidden**0.5
+    cache = cls.empty(shape.batches, offload)
+    for b in range(shape.batches):
+        cache.update(b, make_batch(ctx, shape, b))
+    ctx.sync()
+    if ctx.gpu:
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    peak_host = 0
+
+    def layer(x):
+        for _ in range(shape.matmuls):
+            x = torch.tanh(x @ weight)
+        return x
+
+    t0 = time.perf_counter()
+    for li in range(shape.layers):
+        names = [f"h{li}", "attention_mask", "position_ids", "position_embeddings"]
+        for propagate in (False, True):
+            batches = cache.iter_prefetch(names) if prefetch else cache.iter(names)
+            for b, inputs in enumerate(batches):
+                out = layer(inputs[f"h{li}"])
+                if propagate:
+                    cache.update(b, {f"h{li + 1}": out})
+                    cache.delete(b, [f"h{li}"])
+        peak_host = max(peak_host, cache.size().get(torch.device("cpu"), 0))
+    ctx.sync()
+    wall = time.perf_counter() - t0
+    row = {"wall_s": wall, "peak_host_live_bytes": peak_host}
+    if ctx.gpu:
+        row["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(ctx.device)
+    del cache
+    ctx.sync()
+    return row
+
+
+def copies_alone(ctx: Context, shape: Shape) -> float:
+    """Time of the pipeline's copies with no compute (the copy bound)."""
+    cache = offcache.IntermediatesCache.empty(shape.batches, "cpu")
+    for b in range(shape.batches):
+        cache.update(b, make_batch(ctx, shape, b))
+    ctx.sync()
+    t0 = time.perf_counter()
+    for li in range(shape.layers):
+        names = [f"h{li}", "attention_mask", "position_ids", "position_embeddings"]
+        for propagate in (False, True):
+            for b, inputs in enumerate(cache.iter_prefetch(names)):
+                if propagate:
+                    cache.update(b, {f"h{li + 1}": inputs[f"h{li}"].clone()})
+                    cache.delete(b, [f"h{li}"])
+    ctx.sync()
+    return time.perf_counter() - t0
+
+
+def run_pipeline(ctx: Context) -> tuple[list[dict], list[dict]]:
+    shape = Shape.for_context(ctx)
+    rows = []
+    pinned_rows = []
+    for name, (cls, offload, prefetch) in implementations(ctx).items():
+        before = offcache.stats()
+        row = run_one(ctx, shape, cls, offload, prefetch)
+        after = offcache.stats()
+        row.update({"impl": name, **shape.__dict__})
+        if name.startswith("offcache") and offload is not None:
+            row["peak_pinned_reserved_bytes"] = after["peak_pinned_reserved_bytes"]
+            row["dedup_hits"] = after["dedup_hits"] - before["dedup_hits"]
+        rows.append(row)
+    ideal = next(r for r in rows if r["impl"] == "ideal_on_gpu")["wall_s"]
+    copies = copies_alone(ctx, shape)
+    for r in rows:
+        r["vs_ideal"] = r["wall_s"] / ideal
+        r["bound_ratio"] = r["wall_s"] / max(ideal, copies)
+    rows.append({"impl": "copies_alone", "wall_s": copies, **shape.__dict__})
+    pinned_rows = run_pinned(ctx, shape)
+    return rows, pinned_rows
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def run_pinned(ctx: Context, shape: Shape) -> list[dict]:
+    """Pinned bytes reserved / live bytes, offcache's arena vs PyTorch's pinned allocator."""
+    offcache.synchronize()
+    cache = offcache.IntermediatesCache.empty(shape.batches, "cpu")
+    values = [make_batch(ctx, shape, b) for b in range(shape.batches)]
+    for b, v in enumerate(values):
+        cache.update(b, v)
+    offcache.synchronize()
+    s = offcache.stats()
+    live = sum(cache.size().values())
+    # Only this cache is alive now, so everything the arena reserves is for it.
+    rows = [{
+        "impl": "offcache_arena", "live_bytes": live, "reserved_bytes": s["pinned_reserved_bytes"],
+        "ratio": s["pinned_reserved_bytes"] / live if live else None,
+        "method": "measured (engine stats)",
+    }]  # fmt: skip
+    tensors = [t for v in values for t in (v["h0"], v["attention_mask"], v["position_ids"], *v["position_embeddings"])]
+    if ctx.gpu and hasattr(torch.cuda, "host_memory_stats"):
+        torch.cuda.host_memory_stats()  # initialise
+        before = torch.cuda.host_memory_stats().get("reserved_bytes.current", 0)
+        pinned = [t.to("cpu").pin_memory() for t in tensors]
+        reserved = torch.cuda.host_memory_stats().get("reserved_bytes.current", 0) - before
+        method = "measured (torch.cuda.host_memory_stats)"
+        del pinned
+    else:
+        # PyTorch's CachingHostAllocator rounds every block up to a power of two.
+        reserved = sum(_pow2(t.nbytes) for t in tensors)
+        method = "model: CachingHostAllocator's power-of-two rounding (no GPU to pin with)"
+    live_t = sum(t.nbytes for t in tensors)
+    rows.append(
+        {
+            "impl": "torch_pin_memory",
+            "live_bytes": live_t,
+            "reserved_bytes": reserved,
+            "ratio": reserved / live_t if live_t else None,
+            "method": method,
+        }
+    )
+    del cache
+    offcache.synchronize()
+    return rows

@@ -1,0 +1,200 @@
+"""Sections transfer, overlap and small: copy bandwidth and per-tensor overhead."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from offcache import _C
+from offcache.bench.common import Context, bump_version, gbps, median, spread, timed
+
+CPU = torch.device("cpu")
+
+
+def sizes(ctx: Context) -> list[int]:
+    top = 1 << 20 if ctx.tiny else (64 << 20 if ctx.quick else 1 << 30)
+    out, s = [], 4096
+    while s <= top:
+        out.append(s)
+        s *= 4
+    return out
+
+
+def _repeats(ctx: Context, size: int) -> int:
+    if ctx.tiny:
+        return 3
+    return 10 if size <= (4 << 20) else (5 if size <= (256 << 20) else 3)
+
+
+def _source(ctx: Context, size: int) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.uint8, device=ctx.device).fill_(7)
+
+
+def _host_buffer(ctx: Context, size: int) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.uint8, pin_memory=ctx.gpu)
+
+
+def _raw_copy(ctx: Context, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """The ceiling: one non_blocking copy on a side stream (plain copy_ on CPU)."""
+    if ctx.gpu:
+        side = _raw_copy.__dict__.setdefault("stream", torch.cuda.Stream(ctx.device))
+        side.wait_stream(torch.cuda.current_stream(ctx.device))
+        with torch.cuda.stream(side):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.current_stream(ctx.device).wait_stream(side)
+    else:
+        dst.copy_(src)
+
+
+def run_transfer(ctx: Context) -> list[dict]:
+    rows = []
+    for size in sizes(ctx):
+        rows += _transfer_at(ctx, size)
+        ctx.sync()
+    return rows
+
+
+def _transfer_at(ctx: Context, size: int) -> list[dict]:
+    n = _repeats(ctx, size)
+    src = _source(ctx, size)
+    host = _host_buffer(ctx, size)
+    stored = _C.store([src], CPU)[0]
+    ctx.sync()
+
+    def store_once():
+        bump_version(src)
+        _C.store([src], CPU)
+
+    impls = {
+        ("offcache", "store"): store_once,
+        ("offcache", "fetch"): lambda: _C.fetch([stored], ctx.device, True),
+        ("raw_pinned", "store"): lambda: _raw_copy(ctx, host, src),
+        ("raw_pinned", "fetch"): lambda: _raw_copy(ctx, src, host),
+        ("pageable_to", "store"): lambda: src.to(CPU, copy=True),
+        ("pageable_to", "fetch"): (lambda: host.to(ctx.device)) if ctx.gpu else (lambda: host.clone()),
+    }
+    rows = []
+    for (impl, direction), fn in impls.items():
+        secs = timed(ctx, fn, n)
+        rows.append({
+            "impl": impl, "direction": direction, "bytes": size, "repeats": n,
+            "median_s": median(secs), "spread": spread(secs), "gbps": gbps(size, median(secs)),
+        })  # fmt: skip
+    return rows
+
+
+def run_overlap(ctx: Context) -> list[dict]:
+    """Duplex copies (D2H and H2D at once) and copy-compute overlap."""
+    size = (1 << 20) if ctx.tiny else ((64 << 20) if (ctx.quick or not ctx.gpu) else (256 << 20))
+    n = 3 if ctx.tiny else 5
+    a = _source(ctx, size)
+    stored = _C.store([_source(ctx, size)], CPU)[0]
+    ctx.sync()
+
+    def d2h():
+        bump_version(a)
+        _C.store([a], CPU)
+
+    def h2d():
+        _C.fetch([stored], ctx.device, False)
+
+    def both():
+        bump_version(a)
+        _C.fetch([stored], ctx.device, False)
+        _C.store([a], CPU)
+
+    t_d2h, t_h2d, t_both = (median(timed(ctx, f, n)) for f in (d2h, h2d, both))
+    one_way = max(gbps(size, t_d2h), gbps(size, t_h2d))
+    rows = [
+        {"impl": "offcache", "case": "d2h_alone", "bytes": size, "gbps": gbps(size, t_d2h)},
+        {"impl": "offcache", "case": "h2d_alone", "bytes": size, "gbps": gbps(size, t_h2d)},
+        {"impl": "offcache", "case": "duplex", "bytes": 2 * size, "gbps": gbps(2 * size, t_both),
+         "ratio_to_one_direction": gbps(2 * size, t_both) / one_way},
+    ]  # fmt: skip
+
+    # Copy-compute overlap: a matmul loop of known duration with a fetch beside it.
+    h = 256 if ctx.tiny or not ctx.gpu else 4096
+    dtype = torch.bfloat16 if ctx.gpu else torch.float32
+    x = torch.randn(h, h, device=ctx.device, dtype=dtype)
+    steps = _calibrate_steps(ctx, x, target_s=t_h2d)
+
+    def compute():
+        y = x
+        for _ in range(steps):
+            y = x @ x
+        return y
+
+    def compute_and_fetch():
+        _, ticket = _C.fetch([stored], ctx.device, False)
+        compute()
+        ticket.wait()
+
+    t_c = median(timed(ctx, compute, n))
+    t_x = t_h2d
+    t_cx = median(timed(ctx, compute_and_fetch, n))
+    hidden = max(0.0, min(1.0, (t_c + t_x - t_cx) / min(t_c, t_x))) if min(t_c, t_x) > 0 else 0.0
+    rows.append({
+        "impl": "offcache", "case": "copy_compute", "bytes": size, "compute_s": t_c, "copy_s": t_x,
+        "both_s": t_cx, "fraction_of_copy_hidden": hidden,
+        "bound_ratio": t_cx / max(t_c, t_x),
+    })  # fmt: skip
+    return rows
+
+
+def _calibrate_steps(ctx: Context, x: torch.Tensor, target_s: float) -> int:
+    ctx.sync()
+    t0 = time.perf_counter()
+    for _ in range(4):
+        x @ x
+    ctx.sync()
+    per = (time.perf_counter() - t0) / 4
+    return max(1, min(10_000, round(target_s / per)))
+
+
+def run_small(ctx: Context) -> list[dict]:
+    """1000 values of 4 KiB stored and fetched: host time per tensor."""
+    count, size = (200 if ctx.tiny else 1000), 4096
+    n = 3 if ctx.tiny else 10
+    values = [_source(ctx, size) for _ in range(count)]
+    hosts = [_host_buffer(ctx, size) for _ in range(count)]
+    stored = _C.store(values, CPU)
+    ctx.sync()
+
+    def store_all():
+        _C.store(values, CPU)
+
+    def fetch_all():
+        _C.fetch(stored, ctx.device, True)
+
+    def raw_store():
+        for h, v in zip(hosts, values):
+            h.copy_(v, non_blocking=ctx.gpu)
+
+    def raw_fetch():
+        for h, v in zip(hosts, values):
+            v.copy_(h, non_blocking=ctx.gpu)
+
+    def to_store():
+        for v in values:
+            v.to(CPU, copy=True)
+
+    def bump_all():
+        for v in values:
+            bump_version(v)
+
+    rows = []
+    cases = [
+        ("offcache", "store", store_all, bump_all),
+        ("offcache", "fetch", fetch_all, None),
+        ("per_tensor_copy", "store", raw_store, None),
+        ("per_tensor_copy", "fetch", raw_fetch, None),
+        ("pageable_to", "store", to_store, None),
+    ]
+    for impl, direction, fn, setup in cases:
+        secs = timed(ctx, (lambda _s, f=fn: f()) if setup else fn, n, setup=setup)
+        rows.append({
+            "impl": impl, "direction": direction, "count": count, "bytes_each": size,
+            "us_per_tensor": median(secs) / count * 1e6, "spread": spread(secs),
+        })  # fmt: skip
+    return rows

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Runs every check: lint, the C++ core's GoogleTest suite (plain, ASan/UBSan,
+# TSan) with ctest, and the Python suite against the installed package.
+# Needs .venv from scripts/setup.sh.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! [ -e /usr/include/gtest/gtest.h ] || ! command -v cmake >/dev/null; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && apt-get install -y -qq libgtest-dev cmake >/dev/null
+  else
+    echo "test.sh: GoogleTest and cmake are needed: apt-get install libgtest-dev cmake" >&2
+    exit 1
+  fi
+fi
+
+.venv/bin/ruff check offcache tests benchmarks
+.venv/bin/ruff format --check offcache tests benchmarks
+
+for san in none address thread; do
+  dir=build/core-$san
+  flag=$([ "$san" = none ] && echo "" || echo "$san")
+  cmake -S . -B "$dir" -DOFFCACHE_SANITIZE="$flag" -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+  cmake --build "$dir" -j "$(nproc)" >/dev/null
+  echo "ctest ($san):"
+  # TSan needs a non-randomised address space on some kernels.
+  if [ "$san" = thread ] && command -v setarch >/dev/null; then
+    setarch "$(uname -m)" -R ctest --test-dir "$dir" --output-on-failure
+  else
+    ctest --test-dir "$dir" --output-on-failure
+  fi
+done
+
+if [ -e "${CUDA_HOME:-/usr/local/cuda}/include/cuda_runtime_api.h" ]; then export OFFCACHE_EXPECT_CUDA=1; fi
+# The installed package is tested: the pytest script (unlike python -m pytest) does not put
+# the source tree, which has no compiled _C, ahead of it on sys.path.
+.venv/bin/pytest -p no:cacheprovider -q tests "$@"

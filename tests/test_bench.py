@@ -1,0 +1,37 @@
+"""The benchmark harness runs end to end (on the tiniest sizes) and writes what it promises."""
+
+import json
+import subprocess
+import sys
+
+SECTIONS = ("transfer", "overlap", "small", "pipeline", "pinned")
+
+
+def test_bench_quick_tiny_writes_results_and_plots(tmp_path):
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, "-m", "offcache.bench", "--quick", "--tiny", "--out", str(out)],
+        capture_output=True,
+        cwd=tmp_path,  # not the source tree, which would shadow the installed package
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert {"device", "backend", *SECTIONS} <= set(results)
+    assert results["backend"] in ("host", "cuda")
+    assert "name" in results["device"]
+    for section in SECTIONS:
+        rows = results[section]
+        assert isinstance(rows, list) and rows, section
+        assert all("impl" in row for row in rows), section
+    transfer_impls = {r["impl"] for r in results["transfer"]}
+    assert {"offcache", "raw_pinned", "pageable_to"} <= transfer_impls
+    assert all(r["gbps"] > 0 for r in results["transfer"])
+    pipeline_impls = {r["impl"] for r in results["pipeline"]}
+    assert {"offcache_iter", "offcache_iter_prefetch", "ideal_on_gpu"} <= pipeline_impls
+    duplex = next(r for r in results["overlap"] if r["case"] == "duplex")
+    assert duplex["ratio_to_one_direction"] > 0
+    assert (out / "bandwidth.png").stat().st_size > 1000
+    assert (out / "pipeline.png").stat().st_size > 1000
+    assert "offcache.bench" in proc.stdout
