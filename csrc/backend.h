@@ -4,14 +4,13 @@
 // host worker thread; an event is a CUDA event or a completion flag.
 #pragma once
 
+#include <ATen/Tensor.h>
 #include <c10/core/Device.h>
 
 #include <functional>
 #include <memory>
 #include <string>
 #include <vector>
-
-#include <ATen/Tensor.h>
 
 #include "core/arena.h"
 #include "core/event.h"

@@ -1,13 +1,12 @@
 // CUDA backend: dedicated D2H and H2D streams per device, CUDA events,
 // cudaMemcpyAsync, and pinned chunks made by cudaHostRegister on pre-touched
 // pages. CPU-only traffic is delegated to the host backend.
+#include <ATen/ATen.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <unistd.h>
-
-#include <ATen/ATen.h>
 
 #include <array>
 #include <mutex>
@@ -99,13 +98,13 @@ class CudaBackend : public Backend {
   const ChunkSource& chunks() const override { return pinned_; }
 
   void check_device(c10::Device device) const override {
-    TORCH_CHECK(getpid() == owner_pid_,
-                "offcache: the CUDA engine was created in process ", owner_pid_,
+    TORCH_CHECK(getpid() == owner_pid_, "offcache: the CUDA engine was created in process ",
+                owner_pid_,
                 " and cannot be used in a forked child; use the 'spawn' start method, or "
                 "OFFCACHE_BACKEND=host in the child");
     TORCH_CHECK(device.is_cpu() || device.is_cuda(), "offcache: unsupported device ", device);
-    TORCH_CHECK(!device.is_cuda() || (device.has_index() &&
-                                      device.index() < static_cast<int>(streams_.size())),
+    TORCH_CHECK(!device.is_cuda() ||
+                    (device.has_index() && device.index() < static_cast<int>(streams_.size())),
                 "offcache: no such CUDA device ", device);
   }
 
@@ -224,13 +223,12 @@ class CudaBackend : public Backend {
       for (const auto& op : small) {
         const auto gap = static_cast<const char*>(op.dst) - cursor;
         if (gap > 0) parts.push_back(pad.narrow(0, 0, gap));  // padding: contents unused
-        parts.push_back(at::from_blob(const_cast<void*>(op.src),
-                                      {static_cast<int64_t>(op.bytes)}, bytes));
+        parts.push_back(
+            at::from_blob(const_cast<void*>(op.src), {static_cast<int64_t>(op.bytes)}, bytes));
         cursor = static_cast<const char*>(op.dst) + op.bytes;
       }
       at::cat_out(staging, parts);
-      OFFCACHE_CUDA_CHECK(
-          cudaMemcpyAsync(lo, staging.data_ptr(), span, cudaMemcpyDeviceToHost, s));
+      OFFCACHE_CUDA_CHECK(cudaMemcpyAsync(lo, staging.data_ptr(), span, cudaMemcpyDeviceToHost, s));
       // staging and pad are freed on their own stream, after the copy in stream order.
     }
     for (const auto& op : rest) {

@@ -1,18 +1,18 @@
 #include "backend_host.h"
 
+#include <c10/util/Exception.h>
+
 #include <chrono>
 #include <cstring>
 #include <thread>
-
-#include <c10/util/Exception.h>
 
 namespace offcache {
 
 HostBackend::HostBackend(int64_t copy_delay_us) : copy_delay_us_(copy_delay_us) {}
 
 void HostBackend::check_device(c10::Device device) const {
-  TORCH_CHECK(device.is_cpu(), "offcache: the host backend handles CPU tensors only, got ",
-              device, "; unset OFFCACHE_BACKEND=host to use the CUDA backend");
+  TORCH_CHECK(device.is_cpu(), "offcache: the host backend handles CPU tensors only, got ", device,
+              "; unset OFFCACHE_BACKEND=host to use the CUDA backend");
 }
 
 EventPtr HostBackend::record_current(c10::Device) {

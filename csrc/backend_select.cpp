@@ -33,8 +33,8 @@ struct Config {
 
 std::unique_ptr<Backend> choose(const Config& c) {
   TORCH_CHECK_VALUE(c.backend == "auto" || c.backend == "cuda" || c.backend == "host",
-                    "offcache: OFFCACHE_BACKEND must be 'auto', 'cuda' or 'host', got '",
-                    c.backend, "'");
+                    "offcache: OFFCACHE_BACKEND must be 'auto', 'cuda' or 'host', got '", c.backend,
+                    "'");
   if (c.backend == "host") return std::make_unique<HostBackend>(c.host_copy_delay_us);
 #ifdef OFFCACHE_WITH_CUDA
   if (cuda_device_count() > 0) return make_cuda_backend(c.host_copy_delay_us);

@@ -96,8 +96,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_pinned_limit", [](size_t bytes) { global_engine().set_limit(bytes); });
   m.def("take_spill_notice", [] { return global_engine().take_spill_notice(); });
   m.def("backend_name", [] { return global_engine().backend().name(); });
-  m.def("is_arena_tensor",
-        [](const at::Tensor& t) { return global_engine().is_arena_tensor(t); });
+  m.def("is_arena_tensor", [](const at::Tensor& t) { return global_engine().is_arena_tensor(t); });
   m.def("is_offcache_tensor",
         [](const at::Tensor& t) { return offcache::host_block_of(t) != nullptr; });
   m.def("engine_created", &offcache::global_engine_created);
@@ -108,8 +107,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("cuda_compiled") = offcache::cuda_compiled();
   m.attr("torch_version") = OFFCACHE_TORCH_VERSION;
 #ifdef OFFCACHE_WITH_CUDA
-  m.attr("cuda_version") = std::to_string(CUDART_VERSION / 1000) + "." +
-                           std::to_string(CUDART_VERSION % 1000 / 10);
+  m.attr("cuda_version") =
+      std::to_string(CUDART_VERSION / 1000) + "." + std::to_string(CUDART_VERSION % 1000 / 10);
 #else
   m.attr("cuda_version") = py::none();
 #endif

@@ -20,8 +20,8 @@ size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 at::Tensor view_of(const c10::Storage& storage, size_t byte_offset, const at::Tensor& like) {
   const c10::DispatchKey key =
       storage.device().is_cpu() ? c10::DispatchKey::CPU : c10::DispatchKey::CUDA;
-  auto t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(storage),
-                                                    c10::DispatchKeySet(key), like.dtype());
+  auto t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(storage), c10::DispatchKeySet(key),
+                                                    like.dtype());
   auto* impl = t.unsafeGetTensorImpl();
   TORCH_INTERNAL_ASSERT(byte_offset % like.element_size() == 0);
   impl->set_sizes_contiguous(like.sizes());
@@ -326,8 +326,8 @@ std::vector<at::Tensor> Engine::store_to_host(const std::vector<at::Tensor>& val
           const auto* impl = values[i].unsafeGetTensorImpl();
           watched.emplace_back(impl, impl->version_counter().current_version());
         }
-        ops.push_back(CopyOp{static_cast<char*>(hb->block.ptr) + offsets[k],
-                             src.tensor.data_ptr(), values[i].nbytes()});
+        ops.push_back(CopyOp{static_cast<char*>(hb->block.ptr) + offsets[k], src.tensor.data_ptr(),
+                             values[i].nbytes()});
         bytes += values[i].nbytes();
         keepalive.push_back(std::move(src.tensor));
         out[i] = view_of(storage, offsets[k], values[i]);
@@ -363,14 +363,13 @@ at::Tensor Engine::store_to_device(const at::Tensor& value, c10::Device target) 
   if (src.dep) deps.push_back(src.dep);
   if (value.numel() == 0) return dst;
   const c10::Device device = stream_device(value.device(), target);
-  EventPtr done =
-      issue(Dir::kStore, device, deps, {CopyOp{dst.data_ptr(), src.tensor.data_ptr(), value.nbytes()}},
-            value.nbytes(), {src.tensor, dst});
+  EventPtr done = issue(Dir::kStore, device, deps,
+                        {CopyOp{dst.data_ptr(), src.tensor.data_ptr(), value.nbytes()}},
+                        value.nbytes(), {src.tensor, dst});
   if (value.requires_grad()) dst.set_requires_grad(true);
   std::lock_guard<std::mutex> lock(mu_);
-  device_stores_.insert_or_assign(
-      dst.storage().unsafeGetStorageImpl(),
-      std::make_pair(dst.storage().getWeakStorageImpl(), done));
+  device_stores_.insert_or_assign(dst.storage().unsafeGetStorageImpl(),
+                                  std::make_pair(dst.storage().getWeakStorageImpl(), done));
   for (auto it = device_stores_.begin(); it != device_stores_.end();) {
     it = it->second.first.expired() ? device_stores_.erase(it) : std::next(it);
   }
@@ -395,6 +394,11 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
   for (size_t i = 0; i < stored.size(); ++i) {
     TORCH_CHECK_TYPE(stored[i].defined() && stored[i].layout() == c10::kStrided,
                      "offcache: can only fetch dense tensors");
+    // Already where it is wanted and not arena memory: no copy, like Tensor.to().
+    if (stored[i].device() == device && host_block_of(stored[i]) == nullptr) {
+      out[i] = stored[i];
+      continue;
+    }
     backend_->check_device(stored[i].device());
     if (stored[i].numel() == 0) {
       out[i] = at::empty(stored[i].sizes(), stored[i].options().device(device));

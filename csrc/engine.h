@@ -47,7 +47,8 @@ class Engine {
   std::vector<at::Tensor> store(const std::vector<at::Tensor>& values, c10::Device target,
                                 bool allow_spill = true);
   // stored: tensors returned by store() (or any tensors). Returns copies on
-  // `device` and the copy's completion event. With wait=true the current
+  // `device` (a tensor already there that offcache does not own is returned
+  // as is) and the copy's completion event. With wait=true the current
   // stream of `device` already waits on it; otherwise call wait() before use.
   struct Fetched {
     std::vector<at::Tensor> tensors;
@@ -88,9 +89,9 @@ class Engine {
   };
 
   Source resolve_source(const at::Tensor& t);
-  EventPtr store_event_of(const at::Tensor& t);  // needs mu_
+  EventPtr store_event_of(const at::Tensor& t);              // needs mu_
   HostBlock* allocate_host(size_t bytes, bool allow_spill);  // needs mu_
-  void free_block(const Block& block);                        // needs mu_
+  void free_block(const Block& block);                       // needs mu_
   // Issues one batch of copies on the copy stream of `device`.
   EventPtr issue(Dir dir, c10::Device device, const std::vector<EventPtr>& deps,
                  const std::vector<CopyOp>& ops, size_t bytes, std::vector<at::Tensor> keepalive,
@@ -110,7 +111,8 @@ class Engine {
   DeferredFrees deferred_;
   DedupTable dedup_;
   std::deque<InFlight> in_flight_;
-  std::unordered_map<const c10::StorageImpl*, std::pair<c10::weak_intrusive_ptr<c10::StorageImpl>, EventPtr>>
+  std::unordered_map<const c10::StorageImpl*,
+                     std::pair<c10::weak_intrusive_ptr<c10::StorageImpl>, EventPtr>>
       device_stores_;  // peer-stored device tensors -> store completion
   size_t max_in_flight_;
   EngineStats stats_;

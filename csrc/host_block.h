@@ -20,9 +20,9 @@ class Engine;
 
 struct HostBlock {
   Engine* engine = nullptr;
-  Block block;          // pageable blocks have chunk == kPageableChunk
-  bool pinned = false;  // true: arena memory; false: spilled to pageable memory
-  EventPtr stored;      // completion of the store that filled the block
+  Block block;                   // pageable blocks have chunk == kPageableChunk
+  bool pinned = false;           // true: arena memory; false: spilled to pageable memory
+  EventPtr stored;               // completion of the store that filled the block
   std::vector<EventPtr> fences;  // store and fetch events still touching it
   // Set when a source was modified in place while the store was copying it.
   std::shared_ptr<std::atomic<bool>> torn;

@@ -17,14 +17,28 @@ from offcache._engine import (
     synchronize,
 )
 from offcache.cache import IntermediatesCache, IntermediateValue
+from offcache.kv import kv_bytes, kv_bytes_for_config
 from offcache.patch import patch_llmcompressor, unpatch_llmcompressor
+
+
+def __getattr__(name):
+    # OffloadedKVCache needs transformers: imported on first use only.
+    if name == "OffloadedKVCache":
+        from offcache.kv_cache import OffloadedKVCache
+
+        return OffloadedKVCache
+    raise AttributeError(f"module 'offcache' has no attribute {name!r}")
+
 
 __all__ = [
     "IntermediateValue",
     "IntermediatesCache",
+    "OffloadedKVCache",
     "SpillWarning",
     "build_info",
     "configure",
+    "kv_bytes",
+    "kv_bytes_for_config",
     "patch_llmcompressor",
     "set_pinned_limit",
     "stats",

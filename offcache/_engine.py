@@ -19,11 +19,19 @@ import torch
 try:
     from offcache import _C
 except ImportError as exc:  # no silent fallback: the engine is the product
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    built = list(here.glob("_C*.so"))
+    where = (
+        f"{exc}"
+        if built
+        else f"{here} holds no compiled engine (a source checkout on sys.path ahead of the installed package?)"
+    )
     raise ImportError(
-        "offcache's compiled engine (offcache._C) is missing or does not load: "
-        f"{exc}. Build it against the torch you run with: `pip install "
-        "--no-build-isolation .` from a checkout (or `python setup.py build_ext "
-        "--inplace` for development)."
+        f"offcache's compiled engine (offcache._C) is missing or does not load: {where}. "
+        "Build it against the torch you run with: `pip install --no-build-isolation .` from a checkout "
+        "(or `python setup.py build_ext --inplace` for development)."
     ) from exc
 
 __all__ = [

@@ -257,28 +257,42 @@ def _store(leaves: list[IntermediateValue], offload_device: torch.device | None)
 
 
 def _onload_ivs(ivs: list[IntermediateValue], wait: bool) -> tuple[list[Any], list]:
-    """Onload several IntermediateValues with one engine call per target device."""
+    """Onload several IntermediateValues with one engine call per target device.
+
+    The hot path of every fetch: top-level tensors (the common case) skip the
+    recursive walk, and a batch bound for one device makes a single engine call.
+    """
     sources: list[Tensor] = []
     devices: list = []
     for iv in ivs:
-        collect(iv, sources, devices)
-    if not sources:
-        return [rebuild(iv, iter(())) for iv in ivs], []
-    out: list[Any] = list(sources)
+        value = iv._value
+        if value.__class__ is Tensor:
+            sources.append(value)
+            devices.append(iv.device)
+        else:
+            collect(iv, sources, devices)
     tickets = []
-    groups: dict[torch.device, list[int]] = {}
-    for i, (t, dev) in enumerate(zip(sources, devices)):
-        if dev is None:
-            continue  # llm-compressor's .to(None): the value as stored
-        if dev.__class__ is not torch.device:
-            dev = torch.device(dev)
-        if t.device == dev and not _C.is_offcache_tensor(t):
-            continue  # already there (offload_device=None): no copy, like .to()
-        groups.setdefault(dev, []).append(i)
-    for dev, idx in groups.items():
-        fetched, ticket = _C.fetch([sources[i] for i in idx], dev, wait)
-        for i, t in zip(idx, fetched):
-            out[i] = t
-        tickets.append(ticket)
-    it = iter(out)
-    return [rebuild(iv, it) for iv in ivs], tickets
+    if not sources:
+        out: list = sources
+    elif devices.count(devices[0]) == len(devices):
+        out = sources if devices[0] is None else _fetch(sources, devices[0], wait, tickets)
+    else:
+        out = list(sources)
+        groups: dict[torch.device, list[int]] = {}
+        for i, dev in enumerate(devices):
+            if dev is not None:  # None: llm-compressor's .to(None), the value as stored
+                groups.setdefault(dev, []).append(i)
+        for dev, idx in groups.items():
+            for i, t in zip(idx, _fetch([sources[i] for i in idx], dev, wait, tickets)):
+                out[i] = t
+    fetched = iter(out)
+    return [next(fetched) if iv._value.__class__ is Tensor else rebuild(iv, fetched) for iv in ivs], tickets
+
+
+def _fetch(sources: list[Tensor], device, wait: bool, tickets: list) -> list[Tensor]:
+    """The engine's fetch; a tensor already on `device` that offcache does not own comes back as is."""
+    if device.__class__ is not torch.device:
+        device = torch.device(device)
+    out, ticket = _C.fetch(sources, device, wait)
+    tickets.append(ticket)
+    return out

@@ -99,14 +99,14 @@ def collect(iv: IntermediateValue, sources: list, devices: list) -> None:
     if isinstance(value, Tensor):
         sources.append(value)
         devices.append(iv.device)
+    elif isinstance(value, (list, tuple)):  # before dataclasses: the common case
+        for v in value:
+            _collect_item(v, sources, devices)
     elif isinstance(value, IntermediateValue):
         collect(value, sources, devices)
     elif is_dataclass(value) and not isinstance(value, type):
         for f in fields(value):
             _collect_item(getattr(value, f.name), sources, devices)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            _collect_item(v, sources, devices)
     elif isinstance(value, dict):
         for v in value.values():
             _collect_item(v, sources, devices)
@@ -122,14 +122,14 @@ def rebuild(iv: IntermediateValue, fetched) -> Any:
     value = iv._value
     if isinstance(value, Tensor):
         return next(fetched)
+    if isinstance(value, tuple):  # before dataclasses: the common case
+        return _rebuild_tuple(value, [_rebuild_item(v, fetched) for v in value])
+    if isinstance(value, list):
+        return [_rebuild_item(v, fetched) for v in value]
     if isinstance(value, IntermediateValue):
         return rebuild(value, fetched)
     if is_dataclass(value) and not isinstance(value, type):
         return _rebuild_dataclass(value, [_rebuild_item(getattr(value, f.name), fetched) for f in fields(value)])
-    if isinstance(value, tuple):
-        return _rebuild_tuple(value, [_rebuild_item(v, fetched) for v in value])
-    if isinstance(value, list):
-        return [_rebuild_item(v, fetched) for v in value]
     if isinstance(value, dict):
         return _rebuild_dict(value, {k: _rebuild_item(v, fetched) for k, v in value.items()})
     return value

@@ -10,4 +10,5 @@ PYTHON=${PYTHON:-python3}
 if [ -e "${CUDA_HOME:-/usr/local/cuda}/include/cuda_runtime_api.h" ]; then export OFFCACHE_FORCE_CUDA=1; fi
 MAX_JOBS=${MAX_JOBS:-$(nproc)} .venv/bin/python -m pip install -q --disable-pip-version-check \
   --no-build-isolation --no-deps .
-.venv/bin/python -c "import offcache, json; print('offcache', json.dumps(offcache.build_info()))"
+# -I: not from the source tree (which has no compiled engine), from the installed package.
+.venv/bin/python -I -c "import offcache, json; print('offcache', json.dumps(offcache.build_info()))"

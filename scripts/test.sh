@@ -5,17 +5,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! [ -e /usr/include/gtest/gtest.h ] || ! command -v cmake >/dev/null; then
+if ! [ -e /usr/include/gtest/gtest.h ] || ! command -v cmake >/dev/null || ! command -v clang-format >/dev/null; then
   if [ "$(id -u)" = 0 ]; then
-    apt-get update -qq && apt-get install -y -qq libgtest-dev cmake >/dev/null
+    apt-get update -qq && apt-get install -y -qq libgtest-dev cmake clang-format >/dev/null
   else
-    echo "test.sh: GoogleTest and cmake are needed: apt-get install libgtest-dev cmake" >&2
+    echo "test.sh: needs GoogleTest, cmake and clang-format: apt-get install libgtest-dev cmake clang-format" >&2
     exit 1
   fi
 fi
 
 .venv/bin/ruff check offcache tests benchmarks
 .venv/bin/ruff format --check offcache tests benchmarks
+clang-format --dry-run --Werror csrc/*.cpp csrc/*.h csrc/core/*.cpp csrc/core/*.h cpp_tests/*.cpp
 
 for san in none address thread; do
   dir=build/core-$san

@@ -35,3 +35,21 @@ def test_bench_quick_tiny_writes_results_and_plots(tmp_path):
     assert (out / "bandwidth.png").stat().st_size > 1000
     assert (out / "pipeline.png").stat().st_size > 1000
     assert "offcache.bench" in proc.stdout
+    bookkeeping = [r for r in results["small"] if r.get("direction") == "fetch_batch_of_5"]
+    assert {r["impl"] for r in bookkeeping} >= {"offcache"} and all(r["us_per_batch"] > 0 for r in bookkeeping)
+
+    kv = subprocess.run(
+        [sys.executable, "-m", "offcache.bench", "kv", "--tiny", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert kv.returncode == 0, kv.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert set(SECTIONS) <= set(results)  # kept
+    rows = {r["impl"]: r for r in results["kv"] if r["case"] == "short"}
+    assert {"dynamic", "transformers_offloaded", "offcache"} <= set(rows)
+    assert rows["offcache"]["completed"] and rows["offcache"]["equal_to_dynamic"] is True
+    assert rows["offcache"]["tokens_generated"] == rows["dynamic"]["tokens_generated"]
+    assert all(r["completed"] in (True, False, None) for r in results["kv"])

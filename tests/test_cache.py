@@ -4,10 +4,10 @@ import warnings
 
 import pytest
 import torch
+from helpers import Frozen, OrderedDict, Outer, Pair, assert_same
 
 import offcache
 from offcache import _C, IntermediatesCache, IntermediateValue
-from helpers import Frozen, OrderedDict, Outer, Pair, assert_same
 
 try:
     from llmcompressor.pipelines.cache import IntermediatesCache as LCCache

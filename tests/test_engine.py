@@ -6,10 +6,10 @@ import threading
 
 import pytest
 import torch
+from helpers import CPU
 
 import offcache
 from offcache import _C
-from helpers import CPU
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.bool, torch.complex64]
 

@@ -3,10 +3,10 @@
 
 import pytest
 import torch
+from helpers import CPU, assert_same
 
 import offcache
-from helpers import CPU, assert_same
-from offcache import IntermediatesCache, _C
+from offcache import _C, IntermediatesCache
 
 pytestmark = pytest.mark.gpu
 

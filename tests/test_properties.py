@@ -9,14 +9,13 @@ import warnings
 
 import pytest
 import torch
+from helpers import Frozen, Pair, assert_same, backend_configs, snapshot
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import offcache
 from offcache import IntermediatesCache
-from helpers import backend_configs
-from helpers import Frozen, Pair, assert_same, snapshot
 
 NAMES = ["h", "mask", "pos", "emb", "out"]
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.bool]

@@ -5,8 +5,7 @@
 
 namespace offcache {
 
-Arena::Arena(ChunkSource& source, ArenaOptions options)
-    : source_(source), options_(options) {
+Arena::Arena(ChunkSource& source, ArenaOptions options) : source_(source), options_(options) {
   assert(options_.alignment > 0 && (options_.alignment & (options_.alignment - 1)) == 0);
   assert(options_.min_chunk > 0 && options_.min_chunk <= options_.max_chunk);
 }

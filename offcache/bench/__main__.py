@@ -21,11 +21,13 @@ import offcache
 from offcache.bench.common import Context, device_info
 from offcache.bench.pipeline import run_pipeline
 from offcache.bench.plots import plot_all
-from offcache.bench.transfer import run_overlap, run_small, run_transfer
+from offcache.bench.transfer import run_bookkeeping, run_overlap, run_small, run_transfer
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m offcache.bench", description=__doc__.splitlines()[2])
+    p.add_argument("section", nargs="?", choices=["all", "kv"], default="all",
+                   help="all: transfer, overlap, small, pipeline, pinned; kv: the KV-cache protocol")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="smaller sizes (<2 min on CPU, <1 min on a GPU)")
     p.add_argument("--tiny", action="store_true", help="smallest sizes: checks the harness, not speed")
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="folder for results.json and plots")
@@ -41,6 +43,8 @@ def main(argv=None) -> dict:
     backend = offcache.build_info()["backend"]
     ctx = Context(device=device, quick=args.quick, tiny=args.tiny, backend=backend)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.section == "kv":
+        return main_kv(args, ctx)
     results = {
         "device": device_info(device),
         "backend": backend,
@@ -57,7 +61,7 @@ def main(argv=None) -> dict:
     sections = [
         ("transfer", run_transfer),
         ("overlap", run_overlap),
-        ("small", run_small),
+        ("small", lambda c: run_small(c) + run_bookkeeping(c)),
         ("pipeline", None),
     ]
     for name, fn in tqdm(sections, desc="offcache.bench", unit="section"):
@@ -70,6 +74,20 @@ def main(argv=None) -> dict:
     results["plots"] = plot_all(results, args.out)
     (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
     print(summary(results))
+    return results
+
+
+def main_kv(args, ctx: Context) -> dict:
+    from offcache.bench.kv import run_kv
+
+    path = args.out / "results.json"
+    results = json.loads(path.read_text()) if path.exists() else {"device": device_info(ctx.device),
+                                                                   "backend": ctx.backend}  # fmt: skip
+    results["kv"] = run_kv(ctx)
+    results["kv_command"] = " ".join(["python -m offcache.bench", *(sys.argv[1:])])
+    path.write_text(json.dumps(results, indent=2, default=str))
+    for row in results["kv"]:
+        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()})
     return results
 
 
@@ -88,7 +106,17 @@ def summary(r: dict) -> str:
     )
     lines.append(
         "small (us per tensor): "
-        + " | ".join(f"{x['impl']} {x['direction']} {x['us_per_tensor']:.2f}" for x in r["small"])
+        + " | ".join(
+            f"{x['impl']} {x['direction']} {x['us_per_tensor']:.2f}" for x in r["small"] if "us_per_tensor" in x
+        )
+    )
+    lines.append(
+        "fetch of a 5-tensor batch (us): "
+        + " | ".join(
+            f"{x['impl']} (offload {x['offload_device']}) {x['us_per_batch']:.1f}"
+            for x in r["small"]
+            if "us_per_batch" in x
+        )
     )
     lines.append("pipeline wall time (s):")
     for x in r["pipeline"]:

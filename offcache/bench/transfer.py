@@ -198,3 +198,39 @@ def run_small(ctx: Context) -> list[dict]:
             "us_per_tensor": median(secs) / count * 1e6, "spread": spread(secs),
         })  # fmt: skip
     return rows
+
+
+def run_bookkeeping(ctx: Context) -> list[dict]:
+    """Host time to fetch one batch of five small tensors (hidden states, mask, position
+    ids, a cos/sin tuple) through each cache: the per-batch Python bookkeeping."""
+    import offcache
+
+    def values():
+        s = 8
+        return {
+            "hidden_states": torch.randn(1, s, 16, device=ctx.device),
+            "attention_mask": torch.ones(1, 1, s, s, dtype=torch.bool, device=ctx.device),
+            "position_ids": torch.arange(s, device=ctx.device)[None],
+            "position_embeddings": (torch.randn(1, s, 4, device=ctx.device), torch.randn(1, s, 4, device=ctx.device)),
+        }
+
+    caches = {"offcache": offcache.IntermediatesCache}
+    try:
+        offcache.unpatch_llmcompressor()
+        from llmcompressor.pipelines.cache import IntermediatesCache as LC
+
+        caches["llmcompressor"] = LC
+    except ImportError:
+        pass
+    n = 300 if ctx.tiny else 5000
+    rows = []
+    for offload in ("cpu", None):
+        for impl, cls in caches.items():
+            cache = cls.empty(1, offload)
+            cache.update(0, values())
+            secs = timed(ctx, lambda c=cache: [c.fetch(0) for _ in range(n)], 5 if not ctx.tiny else 2)
+            rows.append({
+                "impl": impl, "direction": "fetch_batch_of_5", "offload_device": str(offload),
+                "us_per_batch": median(secs) / n * 1e6, "spread": spread(secs),
+            })  # fmt: skip
+    return rows

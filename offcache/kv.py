@@ -1,0 +1,98 @@
+"""KV-cache size and cost arithmetic (seed 004), and ``python -m offcache.kv size``.
+
+kv_bytes = 2 (K and V) x layers x batch x tokens x kv_heads x head_dim x bytes per value
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+GiB = 1024**3
+
+
+def _itemsize(dtype: torch.dtype | str | int) -> int:
+    if isinstance(dtype, int):
+        return dtype
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.replace("torch.", ""))
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def kv_bytes(layers: int, batch: int, tokens: int, kv_heads: int, head_dim: int, dtype=torch.bfloat16) -> int:
+    """Bytes of K and V for `layers` full-attention layers (dtype: torch dtype, name, or bytes per value)."""
+    for name, v in (("layers", layers), ("batch", batch), ("tokens", tokens), ("kv_heads", kv_heads),
+                    ("head_dim", head_dim)):  # fmt: skip
+        if int(v) != v or v < 0:
+            raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
+    return 2 * layers * batch * tokens * kv_heads * head_dim * _itemsize(dtype)
+
+
+def kv_bytes_for_config(config, batch: int, tokens: int, dtype=None) -> int:
+    """Bytes of K and V for a transformers config; sliding layers hold at most their window."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    dtype = dtype or getattr(text, "dtype", None) or getattr(text, "torch_dtype", None) or torch.bfloat16
+    layer_types = getattr(text, "layer_types", None)
+    window = getattr(text, "sliding_window", None) or getattr(text, "attention_chunk_size", None)
+    if layer_types is None:
+        kind = "sliding_attention" if window else "full_attention"
+        layer_types = [kind] * text.num_hidden_layers
+    total = 0
+    for kind in layer_types:
+        if kind in ("full_attention", "attention"):
+            total += kv_bytes(1, batch, tokens, kv_heads, head_dim, dtype)
+        elif kind in ("sliding_attention", "chunked_attention") and window:
+            total += kv_bytes(1, batch, min(tokens, window), kv_heads, head_dim, dtype)
+        # linear-attention and other state layers hold no per-token K/V
+    return total
+
+
+def measured_h2d_gbps(results_json: str | Path) -> float:
+    """The largest-size offcache fetch bandwidth recorded by offcache.bench."""
+    rows = json.loads(Path(results_json).read_text())["transfer"]
+    fetch = [r for r in rows if r["impl"] == "offcache" and r["direction"] == "fetch"]
+    return max(fetch, key=lambda r: r["bytes"])["gbps"]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m offcache.kv", description="KV-cache size and H2D cost")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("size", help="size of a KV cache and the H2D time it costs per decoded token")
+    s.add_argument("--config", help="a transformers config.json (or its folder)")
+    s.add_argument("--layers", type=int)
+    s.add_argument("--kv-heads", type=int)
+    s.add_argument("--head-dim", type=int)
+    s.add_argument("--batch", type=int, default=1)
+    s.add_argument("--tokens", type=int, required=True)
+    s.add_argument("--dtype", default="bfloat16")
+    bw = s.add_mutually_exclusive_group()
+    bw.add_argument("--bandwidth-gbps", type=float, help="H2D bandwidth in GB/s")
+    bw.add_argument("--bench-results", help="results.json from offcache.bench: use its measured fetch bandwidth")
+    a = p.parse_args(argv)
+
+    if a.config:
+        from transformers import AutoConfig
+
+        size = kv_bytes_for_config(AutoConfig.from_pretrained(a.config), a.batch, a.tokens, a.dtype)
+    else:
+        missing = [f for f in ("layers", "kv_heads", "head_dim") if getattr(a, f) is None]
+        if missing:
+            p.error("without --config, give " + ", ".join("--" + m.replace("_", "-") for m in missing))
+        size = kv_bytes(a.layers, a.batch, a.tokens, a.kv_heads, a.head_dim, a.dtype)
+    print(f"KV cache: {size} bytes = {size / GiB:.4f} GiB")
+    gbps = a.bandwidth_gbps or (measured_h2d_gbps(a.bench_results) if a.bench_results else None)
+    if gbps:
+        per_token = size / (gbps * 1e9)
+        print(f"H2D per decoded token (whole cache at {gbps:.2f} GB/s): {per_token * 1e3:.3f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
