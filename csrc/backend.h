@@ -32,8 +32,9 @@ class Backend {
   // Source of the arena's chunks: pinned on CUDA, plain memory on host.
   virtual ChunkSource& chunks() = 0;
   virtual const ChunkSource& chunks() const = 0;
-  // Raises a clear error if `device` cannot be served by this backend.
-  virtual void check_device(c10::Device device) const = 0;
+  // `device` with its index filled in ("cuda" -> the current CUDA device);
+  // raises a clear error if this backend cannot serve it.
+  virtual c10::Device resolve_device(c10::Device device) const = 0;
 
   // Event on the calling thread's current stream of `device`: the producer
   // of a store, the consumer of a fetch.

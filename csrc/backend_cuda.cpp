@@ -97,15 +97,18 @@ class CudaBackend : public Backend {
   ChunkSource& chunks() override { return pinned_; }
   const ChunkSource& chunks() const override { return pinned_; }
 
-  void check_device(c10::Device device) const override {
+  c10::Device resolve_device(c10::Device device) const override {
     TORCH_CHECK(getpid() == owner_pid_, "offcache: the CUDA engine was created in process ",
                 owner_pid_,
                 " and cannot be used in a forked child; use the 'spawn' start method, or "
                 "OFFCACHE_BACKEND=host in the child");
     TORCH_CHECK(device.is_cpu() || device.is_cuda(), "offcache: unsupported device ", device);
-    TORCH_CHECK(!device.is_cuda() ||
-                    (device.has_index() && device.index() < static_cast<int>(streams_.size())),
+    if (device.is_cuda() && !device.has_index()) {
+      device = c10::Device(c10::kCUDA, c10::cuda::current_device());
+    }
+    TORCH_CHECK(device.is_cpu() || device.index() < static_cast<int>(streams_.size()),
                 "offcache: no such CUDA device ", device);
+    return device;
   }
 
   EventPtr record_current(c10::Device device) override {

@@ -10,9 +10,10 @@ namespace offcache {
 
 HostBackend::HostBackend(int64_t copy_delay_us) : copy_delay_us_(copy_delay_us) {}
 
-void HostBackend::check_device(c10::Device device) const {
+c10::Device HostBackend::resolve_device(c10::Device device) const {
   TORCH_CHECK(device.is_cpu(), "offcache: the host backend handles CPU tensors only, got ", device,
               "; unset OFFCACHE_BACKEND=host to use the CUDA backend");
+  return device;
 }
 
 EventPtr HostBackend::record_current(c10::Device) {

@@ -18,7 +18,7 @@ class HostBackend : public Backend {
   std::string name() const override { return "host"; }
   ChunkSource& chunks() override { return source_; }
   const ChunkSource& chunks() const override { return source_; }
-  void check_device(c10::Device device) const override;
+  c10::Device resolve_device(c10::Device device) const override;
   EventPtr record_current(c10::Device device) override;
   void current_wait(c10::Device device, const EventPtr& event) override;
   void copy_wait(Dir dir, c10::Device device, const EventPtr& event) override;

@@ -216,10 +216,10 @@ void Engine::wait_stored(const at::Tensor& t) {
 
 std::vector<at::Tensor> Engine::store(const std::vector<at::Tensor>& values, c10::Device target,
                                       bool allow_spill) {
-  backend_->check_device(target);
+  target = backend_->resolve_device(target);
   for (const auto& v : values) {
     check_storable(v);
-    backend_->check_device(v.device());
+    backend_->resolve_device(v.device());
   }
   std::vector<at::Tensor> out(values.size());
   std::vector<size_t> misses;
@@ -359,7 +359,10 @@ at::Tensor Engine::store_to_device(const at::Tensor& value, c10::Device target) 
   // Offload to another GPU: a peer copy on the source device's D2H stream.
   Source src = resolve_source(value);
   at::Tensor dst = at::empty(value.sizes(), value.options().device(target));
-  std::vector<EventPtr> deps{backend_->record_current(value.device())};
+  // The copy waits for the producer, and for work already queued on the target's
+  // stream: `dst` came from that stream's pool, where freed memory may still be in use.
+  std::vector<EventPtr> deps{backend_->record_current(value.device()),
+                             backend_->record_current(target)};
   if (src.dep) deps.push_back(src.dep);
   if (value.numel() == 0) return dst;
   const c10::Device device = stream_device(value.device(), target);
@@ -387,7 +390,7 @@ void Engine::check_torn(const std::vector<std::shared_ptr<std::atomic<bool>>>& f
 
 Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device device,
                               bool wait) {
-  backend_->check_device(device);
+  device = backend_->resolve_device(device);
   std::vector<at::Tensor> out(stored.size());
   std::vector<Source> sources(stored.size());
   std::vector<HostBlock*> blocks(stored.size(), nullptr);
@@ -399,7 +402,7 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
       out[i] = stored[i];
       continue;
     }
-    backend_->check_device(stored[i].device());
+    backend_->resolve_device(stored[i].device());
     if (stored[i].numel() == 0) {
       out[i] = at::empty(stored[i].sizes(), stored[i].options().device(device));
       continue;
@@ -472,7 +475,10 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
   if (small_buffer.defined()) keepalive.push_back(small_buffer);
   EventPtr done;
   if (!ops.empty()) {
-    // Store event -> H2D copy stream; the consumer waits on `done` below or in wait().
+    // Store events -> H2D copy stream; the consumer waits on `done` below or in wait().
+    // The buffers came from the consumer stream's pool, where memory freed by the
+    // consumer may still be read by its queued kernels: the copy waits for those too.
+    deps.push_back(backend_->record_current(device));
     const c10::Device copy_device = stream_device(device, stored.front().device());
     done = issue(Dir::kFetch, copy_device, deps, ops, bytes, std::move(keepalive));
     std::lock_guard<std::mutex> lock(mu_);

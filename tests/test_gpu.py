@@ -148,3 +148,11 @@ def test_cuda_engine_refuses_forked_child():
     p.start()
     p.join(60)
     assert "forked child" in q.get(timeout=5)
+
+
+def test_device_without_index_means_the_current_device():
+    cache = IntermediatesCache.empty(1, "cpu")
+    x = torch.randn(100, device=DEV)
+    cache.update(0, {"x": x})
+    cache.batch_intermediates[0]["x"].device = torch.device("cuda")
+    assert torch.equal(cache.fetch(0)["x"], x)

@@ -1,0 +1,99 @@
+"""Budget parsing, in-flight hazards through the cache, and shutdown with copies in flight."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import offcache
+from offcache import IntermediatesCache, _engine
+
+
+@pytest.mark.parametrize(
+    "text, want",
+    [("1234", 1234), (4096, 4096), ("512MiB", 512 << 20), ("64GiB", 64 << 30), ("1.5GB", 1_500_000_000),
+     ("2k", 2048)],
+)  # fmt: skip
+def test_parse_size(text, want):
+    assert _engine.parse_size(text) == want
+
+
+def test_parse_size_percent_of_ram():
+    assert _engine.parse_size("50%") == _engine.total_ram_bytes() // 2
+
+
+@pytest.mark.parametrize("bad", ["lots", "12XB", "-5", "0%", "150%"])
+def test_parse_size_rejects_bad_values(bad):
+    with pytest.raises(ValueError):
+        _engine.parse_size(bad)
+
+
+def test_default_budget_is_shared_among_local_ranks(monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    alone = _engine.default_pinned_limit()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert _engine.default_pinned_limit() == alone // 4
+    assert alone <= _engine.total_ram_bytes() // 2
+
+
+def test_env_budget_and_setter(monkeypatch, engine_config):
+    monkeypatch.setenv("OFFCACHE_PINNED_LIMIT", "3MiB")
+    engine_config(backend="host")
+    assert offcache.stats()["pinned_limit_bytes"] == 3 << 20
+    offcache.set_pinned_limit("5MiB")
+    assert offcache.stats()["pinned_limit_bytes"] == 5 << 20
+
+
+@pytest.mark.parametrize("action", ["delete", "overwrite", "update_other"])
+def test_changes_while_store_in_flight(host_engine, action):
+    host_engine(backend="host", host_copy_delay_us=20000)
+    cache = IntermediatesCache.empty(1, "cpu")
+    first, second = torch.full((4096,), 1.0), torch.full((4096,), 2.0)
+    cache.update(0, {"x": first})  # still copying
+    if action == "delete":
+        cache.delete(0, ["x"])
+        assert cache.fetch(0) == {}
+    elif action == "overwrite":
+        cache.update(0, {"x": second})
+        assert torch.equal(cache.fetch(0)["x"], second)
+    else:
+        cache.update(0, {"y": second})
+        got = cache.fetch(0)
+        assert torch.equal(got["x"], first) and torch.equal(got["y"], second)
+    offcache.synchronize()
+    assert offcache.stats()["deferred_bytes"] == 0
+
+
+def test_cache_deleted_with_copies_in_flight(host_engine):
+    host_engine(backend="host", host_copy_delay_us=20000)
+    cache = IntermediatesCache.empty(4, "cpu")
+    for i in range(4):
+        cache.update(i, {"x": torch.randn(1000)})
+    _, tickets = cache._onload(*cache._select(0, None), wait=False)
+    del cache
+    for t in tickets:
+        t.wait()
+    offcache.synchronize()
+    assert offcache.stats()["pinned_in_use_bytes"] == 0
+
+
+def test_interpreter_exit_with_copies_in_flight(tmp_path):
+    script = textwrap.dedent(
+        """
+        import torch, offcache
+        offcache.configure(backend="host", host_copy_delay_us=100000)
+        cache = offcache.IntermediatesCache.empty(8, "cpu")
+        for i in range(8):
+            cache.update(i, {"x": torch.randn(10000)})
+        print("exiting with copies in flight", flush=True)
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        env={**os.environ, "PYTHONFAULTHANDLER": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "exiting with copies in flight" in proc.stdout
