@@ -34,21 +34,33 @@ def find_cuda_toolkit() -> str | None:
     return None
 
 
-if torch.version.cuda is not None and find_cuda_toolkit():
-    os.environ["CUDA_HOME"] = find_cuda_toolkit()
+TOOLKIT = find_cuda_toolkit()
+if torch.version.cuda is not None and TOOLKIT:
+    os.environ["CUDA_HOME"] = TOOLKIT
 
 from torch.utils.cpp_extension import (  # noqa: E402  (reads CUDA_HOME at import)
-    CUDA_HOME,
     BuildExtension,
     CppExtension,
     CUDAExtension,
 )
+
 VERSION = re.search(r'__version__ = "([^"]+)"', (ROOT / "offcache/__init__.py").read_text())[1]
 
-CORE = ["csrc/core/arena.cpp", "csrc/core/deferred_free.cpp", "csrc/core/event.cpp",
-        "csrc/core/host_stream.cpp", "csrc/core/page_source.cpp"]
-ENGINE = ["csrc/backend_host.cpp", "csrc/backend_select.cpp", "csrc/dedup.cpp",
-          "csrc/engine.cpp", "csrc/host_block.cpp", "csrc/bindings.cpp"]
+CORE = [
+    "csrc/core/arena.cpp",
+    "csrc/core/deferred_free.cpp",
+    "csrc/core/event.cpp",
+    "csrc/core/host_stream.cpp",
+    "csrc/core/page_source.cpp",
+]
+ENGINE = [
+    "csrc/backend_host.cpp",
+    "csrc/backend_select.cpp",
+    "csrc/dedup.cpp",
+    "csrc/engine.cpp",
+    "csrc/host_block.cpp",
+    "csrc/bindings.cpp",
+]
 CUDA_SOURCES = ["csrc/backend_cuda.cpp"]
 
 
@@ -57,7 +69,7 @@ def cuda_build_reasons() -> list[str]:
     reasons = []
     if torch.version.cuda is None:
         reasons.append(f"torch {torch.__version__} is a CPU-only build")
-    if CUDA_HOME is None or find_cuda_toolkit() is None:
+    if TOOLKIT is None:
         reasons.append("no CUDA toolkit with headers found (set CUDA_HOME)")
     return reasons
 
@@ -73,10 +85,13 @@ def extension():
     flags = ["-O3", "-Wall", "-Wno-unused-parameter"]
     if with_cuda:
         macros.append(("OFFCACHE_WITH_CUDA", None))
-        return CUDAExtension("offcache._C", CORE + ENGINE + CUDA_SOURCES,
-                             define_macros=macros, extra_compile_args={"cxx": flags, "nvcc": []})
-    return CppExtension("offcache._C", CORE + ENGINE, define_macros=macros,
-                        extra_compile_args={"cxx": flags})
+        return CUDAExtension(
+            "offcache._C",
+            CORE + ENGINE + CUDA_SOURCES,
+            define_macros=macros,
+            extra_compile_args={"cxx": flags, "nvcc": []},
+        )
+    return CppExtension("offcache._C", CORE + ENGINE, define_macros=macros, extra_compile_args={"cxx": flags})
 
 
 setup(

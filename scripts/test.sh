@@ -14,8 +14,8 @@ if ! [ -e /usr/include/gtest/gtest.h ] || ! command -v cmake >/dev/null || ! com
   fi
 fi
 
-.venv/bin/ruff check offcache tests benchmarks
-.venv/bin/ruff format --check offcache tests benchmarks
+.venv/bin/ruff check setup.py offcache tests benchmarks
+.venv/bin/ruff format --check setup.py offcache tests benchmarks
 clang-format --dry-run --Werror csrc/*.cpp csrc/*.h csrc/core/*.cpp csrc/core/*.h cpp_tests/*.cpp
 
 for san in none address thread; do
