@@ -86,7 +86,7 @@ TEST(Arena, CoalescesFreeNeighbours) {
   EXPECT_EQ(whole->ptr, a->ptr);
 }
 
-TEST(Arena, OversizedRequestGetsDedicatedChunkReleasedOnFree) {
+TEST(Arena, OversizedRequestGetsDedicatedChunkKeptAsTheSpare) {
   CountingSource src;
   Arena arena(src, fixed(1 << 16));
   auto small = arena.allocate(100);
@@ -94,9 +94,16 @@ TEST(Arena, OversizedRequestGetsDedicatedChunkReleasedOnFree) {
   ASSERT_TRUE(small && big);
   EXPECT_EQ(src.live, 2);
   EXPECT_EQ(arena.reserved_bytes(), (1u << 16) + (1u << 20));
-  arena.free(*big);
+  arena.free(*big);  // the only empty chunk: kept, and reused by the next large request
+  EXPECT_EQ(src.live, 2);
+  auto again = arena.allocate(1 << 20);
+  ASSERT_TRUE(again);
+  EXPECT_EQ(again->ptr, big->ptr);
+  EXPECT_EQ(src.live, 2);
+  arena.free(*again);
+  arena.free(*small);  // two empty chunks: the smaller goes back
   EXPECT_EQ(src.live, 1);
-  EXPECT_EQ(arena.reserved_bytes(), 1u << 16);
+  EXPECT_EQ(arena.reserved_bytes(), 1u << 20);
 }
 
 TEST(Arena, BudgetRefusesThenSmallerChunkFits) {

@@ -26,7 +26,7 @@ namespace {
 struct Config {
   std::string backend = "auto";
   size_t pinned_limit = SIZE_MAX;
-  size_t min_chunk = size_t{16} << 20;
+  size_t min_chunk = size_t{2} << 20;
   size_t max_in_flight = size_t{1} << 30;
   int64_t host_copy_delay_us = 0;
 };
@@ -82,6 +82,8 @@ void configure_global_engine(const std::string& backend, size_t pinned_limit, si
                     "offcache: backend must be 'auto', 'cuda' or 'host', got '", backend, "'");
   std::lock_guard<std::mutex> lock(g_mu);
   g_config = Config{backend, pinned_limit, min_chunk, max_in_flight, host_copy_delay_us};
+  // The old engine only serves the tensors it still owns: give back its spare chunks.
+  if (g_engine != nullptr && g_pid == getpid()) g_engine->empty_cache();
   // The next use builds a new engine lazily (no CUDA initialisation at import).
   // The previous one is kept alive for the tensors it still owns.
   g_engine = nullptr;

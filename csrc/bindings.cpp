@@ -92,6 +92,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "wait_stored", [](const at::Tensor& t) { global_engine().wait_stored(t); },
       py::call_guard<py::gil_scoped_release>(),
       "Block until the store that produced `t` has written it.");
+  m.def(
+      "empty_cache", [] { return global_engine().empty_cache(); },
+      py::call_guard<py::gil_scoped_release>());
   m.def("stats", &stats_dict);
   m.def("set_pinned_limit", [](size_t bytes) { global_engine().set_limit(bytes); });
   m.def("take_spill_notice", [] { return global_engine().take_spill_notice(); });

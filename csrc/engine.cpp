@@ -417,6 +417,7 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
   struct Segment {
     const char* src_begin;
     size_t length;
+    size_t payload;  // bytes of the items (length minus gaps)
     std::vector<size_t> items;
     size_t offset = 0;  // in the shared small buffer
     bool own = false;
@@ -432,16 +433,15 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
       Segment& s = segments[it->second];
       const char* lo = std::min(s.src_begin, p);
       const size_t hi = std::max<size_t>(s.src_begin + s.length - lo, p + n - lo);
-      size_t payload = n;
-      for (size_t j : s.items) payload += stored[j].nbytes();
-      if (hi <= 2 * payload + 4096) {  // dense enough to copy the span, gaps included
+      if (hi <= 2 * (s.payload + n) + 4096) {  // dense enough to copy the span, gaps included
         s.src_begin = lo;
         s.length = hi;
+        s.payload += n;
         s.items.push_back(i);
         continue;
       }
     }
-    segments.push_back(Segment{p, n, {i}, 0, n >= kPackBytes});
+    segments.push_back(Segment{p, n, n, {i}, 0, n >= kPackBytes});
     if (blocks[i] && n < kPackBytes) by_block[blocks[i]] = segments.size() - 1;
   }
   size_t small_total = 0;
@@ -520,6 +520,12 @@ void Engine::synchronize() {
     deferred_.wait_all();
     deferred_.reclaim([this](const Block& b) { free_block(b); });
   }
+}
+
+size_t Engine::empty_cache() {
+  synchronize();
+  std::lock_guard<std::mutex> lock(mu_);
+  return arena_.release_empty_chunks();
 }
 
 EngineStats Engine::stats() {

@@ -64,6 +64,8 @@ class Engine {
   void wait_stored(const at::Tensor& t);
   // Waits for every copy in flight and frees what can be freed.
   void synchronize();
+  // synchronize(), then returns every empty arena chunk to the OS; returns bytes released.
+  size_t empty_cache();
 
   EngineStats stats();
   void set_limit(size_t bytes);

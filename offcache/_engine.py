@@ -3,7 +3,7 @@
 Environment (read when offcache is imported; ``configure`` changes it later):
   OFFCACHE_BACKEND             auto | cuda | host (default auto: CUDA when a GPU is visible)
   OFFCACHE_PINNED_LIMIT        pinned budget: bytes, a size such as 64GiB, or a % of RAM
-  OFFCACHE_CHUNK_BYTES         smallest arena chunk (default 16MiB)
+  OFFCACHE_CHUNK_BYTES         smallest arena chunk (default 2MiB)
   OFFCACHE_MAX_IN_FLIGHT       bound on bytes being copied at once (default 1GiB)
   OFFCACHE_HOST_COPY_DELAY_US  slows each host-backend copy (tests widen race windows)
 """
@@ -38,6 +38,7 @@ __all__ = [
     "SpillWarning",
     "build_info",
     "configure",
+    "empty_cache",
     "parse_size",
     "set_pinned_limit",
     "stats",
@@ -108,7 +109,7 @@ def configure(
     _C.configure(
         backend=backend,
         pinned_limit=parse_size(limit) if limit else default_pinned_limit(),
-        min_chunk=parse_size(min_chunk or env("OFFCACHE_CHUNK_BYTES") or "16MiB"),
+        min_chunk=parse_size(min_chunk or env("OFFCACHE_CHUNK_BYTES") or "2MiB"),
         max_in_flight=parse_size(max_in_flight or env("OFFCACHE_MAX_IN_FLIGHT") or "1GiB"),
         host_copy_delay_us=int(
             host_copy_delay_us if host_copy_delay_us is not None else env("OFFCACHE_HOST_COPY_DELAY_US", "0") or 0
@@ -129,6 +130,11 @@ def stats() -> dict:
 def synchronize() -> None:
     """Wait for every copy in flight and return freed blocks to the arena."""
     _C.synchronize()
+
+
+def empty_cache() -> int:
+    """synchronize(), then give every empty arena chunk back to the OS. Returns the bytes released."""
+    return _C.empty_cache()
 
 
 def build_info() -> dict:

@@ -214,15 +214,28 @@ def test_pinned_bytes_return_to_zero(host_engine):
     assert offcache.stats()["pinned_in_use_bytes"] == 0
 
 
+def test_empty_cache_gives_spare_chunks_back(host_engine):
+    (a,) = store_now([torch.randn(1 << 20)])
+    del a
+    offcache.synchronize()
+    assert offcache.stats()["pinned_reserved_bytes"] > 0  # kept as the spare
+    assert offcache.empty_cache() > 0
+    assert offcache.stats()["pinned_reserved_bytes"] == 0
+
+
 def test_tensor_larger_than_a_chunk(host_engine):
     host_engine(backend="host", min_chunk="256KiB")
     x = torch.randn(1 << 20)  # 4 MiB > chunk
     (a,) = store_now([x])
     assert _C.is_arena_tensor(a) and torch.equal(a, x)
     reserved = offcache.stats()["pinned_reserved_bytes"]
+    assert reserved >= x.nbytes
     del a
     offcache.synchronize()
-    assert offcache.stats()["pinned_reserved_bytes"] < reserved  # its own chunk went back
+    assert offcache.stats()["pinned_in_use_bytes"] == 0
+    (b,) = store_now([x * 2])  # the freed chunk is the spare: reused, not pinned anew
+    assert offcache.stats()["pinned_reserved_bytes"] == reserved
+    assert torch.equal(b, x * 2)
 
 
 def test_budget_spills_to_pageable_and_warns_once(host_engine):

@@ -130,15 +130,12 @@ void Arena::free(const Block& block) {
   }
   insert_free(block.chunk, offset, length);
   if (c.used != 0) return;
-  // Dedicated chunks go back at once; an empty regular chunk is kept only
-  // while it is the sole spare, so reserved memory tracks live memory.
-  if (c.dedicated) {
-    drop_chunk(block.chunk);
-    return;
-  }
+  // At most one empty chunk stays reserved, the larger, as a spare: reserved
+  // memory tracks live memory, yet a free-then-allocate cycle (a layer's new
+  // activations replacing the old) reuses pinned pages instead of pinning anew.
   for (uint32_t i = 0; i < chunks_.size(); ++i) {
-    if (i != block.chunk && chunks_[i].live && !chunks_[i].dedicated && chunks_[i].used == 0) {
-      drop_chunk(block.chunk);
+    if (i != block.chunk && chunks_[i].live && chunks_[i].used == 0) {
+      drop_chunk(chunks_[i].size < c.size ? i : block.chunk);
       return;
     }
   }

@@ -34,7 +34,7 @@ struct Block {
 };
 
 struct ArenaOptions {
-  size_t min_chunk = size_t{16} << 20;
+  size_t min_chunk = size_t{2} << 20;
   size_t max_chunk = size_t{1} << 30;
   // A new chunk is 1/growth_divisor of what is already reserved (clamped to
   // [min_chunk, max_chunk]) so over-reservation stays near 1/growth_divisor.

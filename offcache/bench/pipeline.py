@@ -8,6 +8,7 @@ propagation pass (fetch -> compute -> update -> delete).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -34,9 +35,9 @@ class Shape:
         return cls(16 if ctx.quick else 64, 2 if ctx.quick else 4, 2048, 4096, 8)
 
 
-def make_batch(ctx: Context, shape: Shape, seed: int) -> dict:
+def make_batch(ctx: Context, shape: Shape, seed: int, dtype: torch.dtype | None = None) -> dict:
     g = torch.Generator(device=ctx.device).manual_seed(seed)
-    dtype = torch.bfloat16 if ctx.gpu else torch.float32
+    dtype = dtype or (torch.bfloat16 if ctx.gpu else torch.float32)
     s, h = shape.seq, shape.hidden
     return {
         "h0": torch.randn(1, s, h, generator=g, device=ctx.device).to(dtype),
@@ -151,9 +152,15 @@ def _pow2(n: int) -> int:
 
 def run_pinned(ctx: Context, shape: Shape) -> list[dict]:
     """Pinned bytes reserved / live bytes, offcache's arena vs PyTorch's pinned allocator."""
-    offcache.synchronize()
+    if not ctx.tiny:  # realistic sizes even on CPU: the ratio is about sizes, not speed
+        shape = Shape(batches=16 if ctx.quick else 64, layers=1, seq=2048, hidden=4096, matmuls=0)
+    offcache.empty_cache()  # nothing else is alive: what the arena reserves from here is for this cache
     cache = offcache.IntermediatesCache.empty(shape.batches, "cpu")
-    values = [make_batch(ctx, shape, b) for b in range(shape.batches)]
+    # Calibration samples differ in length: vary the sequence length per batch.
+    values = [
+        make_batch(ctx, dataclasses.replace(shape, seq=shape.seq - (37 * b) % (shape.seq // 2)), b, torch.bfloat16)
+        for b in range(shape.batches)
+    ]
     for b, v in enumerate(values):
         cache.update(b, v)
     offcache.synchronize()
