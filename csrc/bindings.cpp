@@ -53,6 +53,7 @@ py::dict stats_dict() {
   OFFCACHE_FIELD(d2h_seconds);
   OFFCACHE_FIELD(h2d_seconds);
   OFFCACHE_FIELD(pinned_limit_bytes);
+  OFFCACHE_FIELD(dedup_entries);
 #undef OFFCACHE_FIELD
   d["pinned"] = global_engine().arena_pinned();
   return d;

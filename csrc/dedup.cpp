@@ -1,5 +1,7 @@
 #include "dedup.h"
 
+#include <algorithm>
+
 namespace offcache {
 namespace {
 
@@ -31,7 +33,9 @@ void DedupTable::insert(const at::Tensor& source, const at::Tensor& stored, c10:
       impl, Entry{c10::weak_intrusive_ptr<c10::TensorImpl>(source.getIntrusivePtr()),
                   c10::weak_intrusive_ptr<c10::TensorImpl>(stored.getIntrusivePtr()),
                   impl->version_counter().current_version(), target});
-  if (++inserts_since_sweep_ >= 1024 && inserts_since_sweep_ >= entries_.size()) sweep();
+  // Sweeping once inserts outnumber the entries that survived the last sweep
+  // keeps the table within twice its live entries (plus 1024), at O(1) amortised.
+  if (++inserts_since_sweep_ >= std::max<size_t>(1024, live_after_sweep_)) sweep();
 }
 
 void DedupTable::sweep() {
@@ -43,6 +47,7 @@ void DedupTable::sweep() {
     }
   }
   inserts_since_sweep_ = 0;
+  live_after_sweep_ = entries_.size();
 }
 
 }  // namespace offcache

@@ -28,6 +28,7 @@ class DedupTable {
   void sweep();
   std::unordered_map<const c10::TensorImpl*, Entry> entries_;
   size_t inserts_since_sweep_ = 0;
+  size_t live_after_sweep_ = 0;
 };
 
 }  // namespace offcache

@@ -537,6 +537,7 @@ EngineStats Engine::stats() {
   s.pinned_in_use_bytes = arena_.in_use_bytes();
   s.deferred_bytes = deferred_.bytes();
   s.pinned_limit_bytes = arena_.limit();
+  s.dedup_entries = dedup_.size();
   return s;
 }
 

@@ -32,6 +32,7 @@ struct EngineStats {
   size_t d2h_bytes = 0, h2d_bytes = 0, d2h_copies = 0, h2d_copies = 0;
   double d2h_seconds = 0, h2d_seconds = 0;
   size_t pinned_limit_bytes = 0;
+  size_t dedup_entries = 0;
 };
 
 class Engine {

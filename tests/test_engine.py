@@ -86,6 +86,13 @@ def test_dedup_hit_returns_same_copy(host_engine):
     assert offcache.stats()["dedup_hits"] == hits + 1
 
 
+def test_dedup_table_does_not_grow_with_dead_sources(host_engine):
+    for _ in range(5000):
+        _C.store([torch.randn(16)], CPU)  # source and copy die at once
+    offcache.synchronize()
+    assert offcache.stats()["dedup_entries"] <= 2048
+
+
 def test_dedup_within_one_call(host_engine):
     x = torch.randn(100)
     a, b = _C.store([x, x], CPU)

@@ -11,8 +11,12 @@ spec.loader.exec_module(soak)
 
 
 def test_small_soak_is_flat(host_engine):
-    result = soak.soak(6000, torch.device("cpu"), samples=12)
+    import offcache
+
+    result = soak.soak(20000, torch.device("cpu"), samples=12)
     assert result["pinned_in_use_after_gc"] == 0
     assert result["pinned_in_use_growth_bytes"] <= 0
     assert result["pinned_reserved_growth_bytes"] <= 0
-    assert result["rss_growth_bytes"] < 16 << 20
+    # A leak of one small object per store (~500 B) would add ~3 MiB here.
+    assert result["rss_growth_bytes"] < 1536 << 10
+    assert offcache.stats()["dedup_entries"] <= 2048
