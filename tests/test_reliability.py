@@ -97,3 +97,32 @@ def test_interpreter_exit_with_copies_in_flight(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "exiting with copies in flight" in proc.stdout
+
+
+def test_refused_arena_allocation_spills_with_a_warning(tmp_path):
+    # The OS refusing memory for a chunk (cudaHostRegister under a memlock limit on
+    # GPUs; mmap under an address-space limit here) must spill, not crash.
+    script = textwrap.dedent(
+        """
+        import resource, warnings, torch, offcache
+        offcache.configure(backend="host", min_chunk="512MiB")
+        offcache.stats()  # the engine and its worker threads exist before the limit
+        with open("/proc/self/statm") as f:
+            vm = int(f.read().split()[0]) * resource.getpagesize()
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (128 << 20), resource.RLIM_INFINITY))
+        x = torch.arange(256.0)
+        cache = offcache.IntermediatesCache.empty(1, "cpu")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cache.update(0, {"x": x})
+        assert torch.equal(cache.fetch(0)["x"], x)
+        s = offcache.stats()
+        assert s["spills"] == 1 and s["pinned_reserved_bytes"] == 0, s
+        msgs = [str(w.message) for w in caught if issubclass(w.category, offcache.SpillWarning)]
+        assert len(msgs) == 1 and "mmap" in msgs[0], msgs
+        print("spilled", flush=True)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "spilled" in proc.stdout
