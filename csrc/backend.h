@@ -46,6 +46,8 @@ class Backend {
   virtual void copy_wait(Dir dir, c10::Device device, const EventPtr& event) = 0;
   virtual void copy(Dir dir, c10::Device device, const std::vector<CopyOp>& ops) = 0;
   virtual EventPtr copy_record(Dir dir, c10::Device device, bool timed) = 0;
+  // A timed event on the current stream of `device`: the zero of a copy trace.
+  virtual EventPtr trace_origin(c10::Device device) = 0;
   // Runs `fn` on a host thread once the copy stream reaches this point. `fn`
   // must not call CUDA (cudaLaunchHostFunc rules).
   virtual void host_callback(Dir dir, c10::Device device, std::function<void()> fn) = 0;

@@ -28,7 +28,10 @@ class CudaEvent final : public Event {
     // Destructors cannot throw; at interpreter exit the context may be gone.
     if (cudaEventDestroy(event_) != cudaSuccess) (void)cudaGetLastError();
   }
-  void record(cudaStream_t stream) { OFFCACHE_CUDA_CHECK(cudaEventRecord(event_, stream)); }
+  void record(cudaStream_t stream) {
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+    OFFCACHE_CUDA_CHECK(cudaEventRecord(event_, stream));
+  }
   bool query() override {
     const cudaError_t err = cudaEventQuery(event_);
     if (err == cudaErrorNotReady) {
@@ -146,6 +149,13 @@ class CudaBackend : public Backend {
     if (device.is_cpu()) return host_.copy_record(dir, device, timed);
     auto event = std::make_shared<CudaEvent>(device.index(), timed);
     event->record(stream(dir, device));
+    return event;
+  }
+
+  EventPtr trace_origin(c10::Device device) override {
+    if (device.is_cpu()) return host_.trace_origin(device);
+    auto event = std::make_shared<CudaEvent>(device.index(), /*timed=*/true);
+    event->record(c10::cuda::getCurrentCUDAStream(device.index()).stream());
     return event;
   }
 

@@ -96,6 +96,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "empty_cache", [] { return global_engine().empty_cache(); },
       py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "trace_start", [](c10::Device device) { global_engine().trace_start(device); },
+      py::call_guard<py::gil_scoped_release>(),
+      "Record copy batches from now on, timed from an event on `device`'s current stream.");
+  m.def("trace_stop", [] {
+    std::vector<offcache::Engine::TraceRow> rows;
+    {
+      py::gil_scoped_release release;
+      rows = global_engine().trace_stop();
+    }
+    py::list out;
+    for (const auto& r : rows) {
+      py::dict d;
+      d["stream"] = r.dir == offcache::Dir::kStore ? "d2h" : "h2d";
+      d["bytes"] = r.bytes;
+      d["start_ms"] = r.start_ms;
+      d["end_ms"] = r.end_ms;
+      out.append(d);
+    }
+    return out;
+  });
   m.def("stats", &stats_dict);
   m.def("set_pinned_limit", [](size_t bytes) { global_engine().set_limit(bytes); });
   m.def("take_spill_notice", [] { return global_engine().take_spill_notice(); });

@@ -123,6 +123,10 @@ std::vector<Engine::InFlight> Engine::reap_locked() {
     if (it->done->query()) {
       const double seconds = it->start ? it->done->elapsed_ms_since(*it->start) / 1000.0 : 0.0;
       (it->dir == Dir::kStore ? stats_.d2h_seconds : stats_.h2d_seconds) += seconds;
+      if (trace_origin_ && it->start) {
+        trace_.push_back(TraceRow{it->dir, it->bytes, it->start->elapsed_ms_since(*trace_origin_),
+                                  it->done->elapsed_ms_since(*trace_origin_)});
+      }
       stats_.in_flight_bytes -= it->bytes;
       done.push_back(std::move(*it));
       it = in_flight_.erase(it);
@@ -520,6 +524,21 @@ void Engine::synchronize() {
     deferred_.wait_all();
     deferred_.reclaim([this](const Block& b) { free_block(b); });
   }
+}
+
+void Engine::trace_start(c10::Device device) {
+  synchronize();  // copies issued before the origin are not part of the trace
+  EventPtr origin = backend_->trace_origin(backend_->resolve_device(device));
+  std::lock_guard<std::mutex> lock(mu_);
+  trace_.clear();
+  trace_origin_ = std::move(origin);
+}
+
+std::vector<Engine::TraceRow> Engine::trace_stop() {
+  synchronize();  // reaps (and so records) every copy still in flight
+  std::lock_guard<std::mutex> lock(mu_);
+  trace_origin_.reset();
+  return std::exchange(trace_, {});
 }
 
 size_t Engine::empty_cache() {

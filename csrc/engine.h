@@ -68,6 +68,16 @@ class Engine {
   // synchronize(), then returns every empty arena chunk to the OS; returns bytes released.
   size_t empty_cache();
 
+  // Copy timeline: while tracing, every completed copy batch is recorded with
+  // its start and end in ms after an origin event on `device`'s current stream.
+  struct TraceRow {
+    Dir dir;
+    size_t bytes;
+    double start_ms, end_ms;
+  };
+  void trace_start(c10::Device device);
+  std::vector<TraceRow> trace_stop();
+
   EngineStats stats();
   void set_limit(size_t bytes);
   // A one-time message when values first spill to pageable memory ("" if none).
@@ -120,6 +130,8 @@ class Engine {
   size_t max_in_flight_;
   EngineStats stats_;
   bool spill_warned_ = false;
+  EventPtr trace_origin_;  // non-null while tracing
+  std::vector<TraceRow> trace_;
   std::string spill_notice_;
 };
 

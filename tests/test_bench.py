@@ -34,6 +34,11 @@ def test_bench_quick_tiny_writes_results_and_plots(tmp_path):
     assert duplex["ratio_to_one_direction"] > 0
     assert (out / "bandwidth.png").stat().st_size > 1000
     assert (out / "pipeline.png").stat().st_size > 1000
+    assert (out / "timeline.png").stat().st_size > 1000
+    timeline = results["timeline"]
+    assert len(timeline["compute"]) == timeline["steps"]
+    assert {r["stream"] for r in timeline["copies"]} == {"d2h", "h2d"}
+    assert all(0 <= r["start_ms"] <= r["end_ms"] for r in timeline["copies"])
     assert "offcache.bench" in proc.stdout
     bookkeeping = [r for r in results["small"] if r.get("direction") == "fetch_batch_of_5"]
     assert {r["impl"] for r in bookkeeping} >= {"offcache"} and all(r["us_per_batch"] > 0 for r in bookkeeping)

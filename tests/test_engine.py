@@ -301,6 +301,21 @@ def test_engine_rejects_bad_tensors(host_engine, bad, error, match):
         _C.store([bad()], CPU)
 
 
+def test_trace_records_copies_on_both_streams(host_engine):
+    host_engine(backend="host", host_copy_delay_us=2000)
+    _C.trace_start(CPU)
+    (a,) = _C.store([torch.randn(1000)], CPU)
+    _C.fetch([a], CPU, True)
+    rows = _C.trace_stop()
+    assert sorted(r["stream"] for r in rows) == ["d2h", "h2d"]
+    d2h = next(r for r in rows if r["stream"] == "d2h")
+    h2d = next(r for r in rows if r["stream"] == "h2d")
+    assert d2h["bytes"] == h2d["bytes"] == 4000
+    assert 0 <= d2h["start_ms"] < d2h["end_ms"] <= h2d["end_ms"]  # the fetch waited for the store
+    assert d2h["end_ms"] - d2h["start_ms"] >= 1.5  # the slowed copy
+    assert _C.trace_stop() == []  # tracing is off again
+
+
 def test_requires_grad_is_kept_as_a_flag(host_engine):
     x = torch.randn(10, requires_grad=True)
     (a,) = store_now([x])

@@ -68,7 +68,7 @@ def main(argv=None) -> dict:
         if fn is not None:
             results[name] = fn(ctx)
         else:
-            results["pipeline"], results["pinned"] = run_pipeline(ctx)
+            results["pipeline"], results["pinned"], results["timeline"] = run_pipeline(ctx)
     results["engine_stats"] = offcache.stats()
     (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
     results["plots"] = plot_all(results, args.out)

@@ -68,6 +68,13 @@ def implementations(ctx: Context) -> dict:
     return impls
 
 
+def _layer(x: torch.Tensor, weight: torch.Tensor, matmuls: int) -> torch.Tensor:
+    """The simulated layer's compute: `matmuls` products with an [H, H] weight."""
+    for _ in range(matmuls):
+        x = torch.tanh(x @ weight)
+    return x
+
+
 def run_one(ctx: Context, shape: Shape, cls, offload, prefetch: bool) -> dict:
     dtype = torch.bfloat16 if ctx.gpu else torch.float32
     weight = torch.randn(shape.hidden, shape.hidden, device=ctx.device, dtype=dtype) / shape.hidden**0.5
@@ -80,9 +87,7 @@ def run_one(ctx: Context, shape: Shape, cls, offload, prefetch: bool) -> dict:
     peak_host = 0
 
     def layer(x):
-        for _ in range(shape.matmuls):
-            x = torch.tanh(x @ weight)
-        return x
+        return _layer(x, weight, shape.matmuls)
 
     t0 = time.perf_counter()
     for li in range(shape.layers):
@@ -123,7 +128,7 @@ def copies_alone(ctx: Context, shape: Shape) -> float:
     return time.perf_counter() - t0
 
 
-def run_pipeline(ctx: Context) -> tuple[list[dict], list[dict]]:
+def run_pipeline(ctx: Context) -> tuple[list[dict], list[dict], dict]:
     shape = Shape.for_context(ctx)
     rows = []
     pinned_rows = []
@@ -143,7 +148,7 @@ def run_pipeline(ctx: Context) -> tuple[list[dict], list[dict]]:
         r["bound_ratio"] = r["wall_s"] / max(ideal, copies)
     rows.append({"impl": "copies_alone", "wall_s": copies, **shape.__dict__})
     pinned_rows = run_pinned(ctx, shape)
-    return rows, pinned_rows
+    return rows, pinned_rows, run_timeline(ctx, shape)
 
 
 def _pow2(n: int) -> int:
@@ -197,3 +202,49 @@ def run_pinned(ctx: Context, shape: Shape) -> list[dict]:
     del cache
     offcache.synchronize()
     return rows
+
+
+def run_timeline(ctx: Context, shape: Shape) -> dict:
+    """Copy batches on the D2H and H2D streams and the compute, for a few propagation
+    steps of offcache's iter_prefetch, in ms from one origin (events on the GPU)."""
+    from offcache import _C
+
+    steps = min(shape.batches, 6)
+    dtype = torch.bfloat16 if ctx.gpu else torch.float32
+    weight = torch.randn(shape.hidden, shape.hidden, device=ctx.device, dtype=dtype) / shape.hidden**0.5
+    cache = offcache.IntermediatesCache.empty(steps, "cpu")
+    for b in range(steps):
+        cache.update(b, make_batch(ctx, shape, b))
+    names = ["h0", "attention_mask", "position_ids", "position_embeddings"]
+    marks = []
+    ctx.sync()
+    _C.trace_start(ctx.device)
+    if ctx.gpu:
+        origin = torch.cuda.Event(enable_timing=True)
+        origin.record()
+    t0 = time.perf_counter()
+    for b, inputs in enumerate(cache.iter_prefetch(names)):
+        if ctx.gpu:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = _layer(inputs["h0"], weight, shape.matmuls)
+            end.record()
+            marks.append((start, end))
+        else:
+            start = time.perf_counter() - t0
+            out = _layer(inputs["h0"], weight, shape.matmuls)
+            marks.append((start, time.perf_counter() - t0))
+        cache.update(b, {"h1": out})
+        cache.delete(b, ["h0"])
+    ctx.sync()
+    copies = _C.trace_stop()
+    if ctx.gpu:
+        compute = [(origin.elapsed_time(s), origin.elapsed_time(e)) for s, e in marks]
+    else:
+        compute = [(s * 1e3, e * 1e3) for s, e in marks]
+    return {
+        "steps": steps,
+        "origin": "CUDA events on the current stream" if ctx.gpu else "host clock (approximate, host backend)",
+        "copies": copies,
+        "compute": [{"start_ms": s, "end_ms": e} for s, e in compute],
+    }
