@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 import offcache
-from offcache.bench.common import Context
+from offcache.bench.common import Context, median, spread
 
 
 @dataclass
@@ -30,8 +30,8 @@ class Shape:
     def for_context(cls, ctx: Context) -> Shape:
         if ctx.tiny:
             return cls(4, 2, 32, 64, 1)
-        if not ctx.gpu:
-            return cls(8 if ctx.quick else 16, 2 if ctx.quick else 3, 128, 256, 2)
+        if not ctx.gpu:  # big enough that a run takes a fraction of a second
+            return cls(8 if ctx.quick else 16, 2 if ctx.quick else 3, 512, 512, 2)
         return cls(16 if ctx.quick else 64, 2 if ctx.quick else 4, 2048, 4096, 8)
 
 
@@ -129,26 +129,32 @@ def copies_alone(ctx: Context, shape: Shape) -> float:
 
 
 def run_pipeline(ctx: Context) -> tuple[list[dict], list[dict], dict]:
+    """Each implementation runs `repeats` times, interleaved; wall_s is the median."""
     shape = Shape.for_context(ctx)
+    impls = implementations(ctx)
+    repeats = 1 if ctx.tiny else 3
+    runs: dict[str, list[dict]] = {name: [] for name in impls}
+    for _ in range(repeats):
+        for name, (cls, offload, prefetch) in impls.items():
+            before = offcache.stats()
+            row = run_one(ctx, shape, cls, offload, prefetch)
+            if name.startswith("offcache") and offload is not None:
+                row["dedup_hits"] = offcache.stats()["dedup_hits"] - before["dedup_hits"]
+            runs[name].append(row)
     rows = []
-    pinned_rows = []
-    for name, (cls, offload, prefetch) in implementations(ctx).items():
-        before = offcache.stats()
-        row = run_one(ctx, shape, cls, offload, prefetch)
-        after = offcache.stats()
-        row.update({"impl": name, **shape.__dict__})
-        if name.startswith("offcache") and offload is not None:
-            row["peak_pinned_reserved_bytes"] = after["peak_pinned_reserved_bytes"]
-            row["dedup_hits"] = after["dedup_hits"] - before["dedup_hits"]
-        rows.append(row)
+    for name, rs in runs.items():
+        walls = [r["wall_s"] for r in rs]
+        row = {**rs[-1], "impl": name, "wall_s": median(walls), "spread": spread(walls), "repeats": repeats}
+        if name.startswith("offcache") and impls[name][1] is not None:
+            row["peak_pinned_reserved_bytes"] = offcache.stats()["peak_pinned_reserved_bytes"]
+        rows.append({**row, **shape.__dict__})
     ideal = next(r for r in rows if r["impl"] == "ideal_on_gpu")["wall_s"]
-    copies = copies_alone(ctx, shape)
+    copies = median([copies_alone(ctx, shape) for _ in range(repeats)])
     for r in rows:
         r["vs_ideal"] = r["wall_s"] / ideal
         r["bound_ratio"] = r["wall_s"] / max(ideal, copies)
     rows.append({"impl": "copies_alone", "wall_s": copies, **shape.__dict__})
-    pinned_rows = run_pinned(ctx, shape)
-    return rows, pinned_rows, run_timeline(ctx, shape)
+    return rows, run_pinned(ctx, shape), run_timeline(ctx, shape)
 
 
 def _pow2(n: int) -> int:
