@@ -58,6 +58,8 @@ ENGINE = [
     "csrc/backend_select.cpp",
     "csrc/dedup.cpp",
     "csrc/engine.cpp",
+    "csrc/engine_fetch.cpp",
+    "csrc/engine_store.cpp",
     "csrc/host_block.cpp",
     "csrc/bindings.cpp",
 ]
