@@ -19,19 +19,13 @@ def patch_llmcompressor() -> list[str]:
     since llmcompressor.pipelines.cache is patched at its source). Idempotent.
     Returns the patched module names.
     """
+    # Import the modules that hold the class, so that they are patched too.
     import llmcompressor.modifiers.transform.awq.base  # noqa: F401
-    import llmcompressor.pipelines.cache as source  # noqa: F401  (import the original)
+    import llmcompressor.pipelines.cache as source
     import llmcompressor.pipelines.sequential.pipeline  # noqa: F401
-    from llmcompressor.pipelines import cache as original_module
 
-    originals = {
-        "IntermediatesCache": _originals.get(
-            ("llmcompressor.pipelines.cache", "IntermediatesCache"), original_module.IntermediatesCache
-        ),
-        "IntermediateValue": _originals.get(
-            ("llmcompressor.pipelines.cache", "IntermediateValue"), original_module.IntermediateValue
-        ),
-    }
+    # Once patched, the source module holds ours: the originals are remembered.
+    originals = {attr: _originals.get((source.__name__, attr), getattr(source, attr)) for attr in _NAMES}
     replacements = {"IntermediatesCache": IntermediatesCache, "IntermediateValue": IntermediateValue}
     patched = []
     for name, module in list(sys.modules.items()):

@@ -99,22 +99,24 @@ def collect(iv: IntermediateValue, sources: list, devices: list) -> None:
     if isinstance(value, Tensor):
         sources.append(value)
         devices.append(iv.device)
-    elif isinstance(value, (list, tuple)):  # before dataclasses: the common case
-        for v in value:
-            _collect_item(v, sources, devices)
+    else:
+        for child in _children(value):
+            collect(child, sources, devices)
+
+
+def _children(value: Any) -> list[IntermediateValue]:
+    """The IntermediateValues directly inside a container value, in rebuild order."""
+    if isinstance(value, (list, tuple)):  # before dataclasses: the common case
+        items = value
     elif isinstance(value, IntermediateValue):
-        collect(value, sources, devices)
-    elif is_dataclass(value) and not isinstance(value, type):
-        for f in fields(value):
-            _collect_item(getattr(value, f.name), sources, devices)
+        items = (value,)
+    elif is_dataclass(value) and not isinstance(value, type):  # before dict: ModelOutput is both
+        items = [getattr(value, f.name) for f in fields(value)]
     elif isinstance(value, dict):
-        for v in value.values():
-            _collect_item(v, sources, devices)
-
-
-def _collect_item(v: Any, sources: list, devices: list) -> None:
-    if isinstance(v, IntermediateValue):
-        collect(v, sources, devices)
+        items = value.values()
+    else:
+        return []
+    return [v for v in items if isinstance(v, IntermediateValue)]
 
 
 def rebuild(iv: IntermediateValue, fetched) -> Any:
@@ -141,26 +143,9 @@ def _rebuild_item(v: Any, fetched) -> Any:
 
 def tensor_leaves(iv: IntermediateValue) -> list[IntermediateValue]:
     """Every IntermediateValue of `iv` whose value is a tensor."""
-    out: list[IntermediateValue] = []
-    stack = [iv]
-    while stack:
-        node = stack.pop()
-        value = node._value
-        if isinstance(value, Tensor):
-            out.append(node)
-            continue
-        if isinstance(value, IntermediateValue):
-            children = [value]
-        elif is_dataclass(value) and not isinstance(value, type):
-            children = [getattr(value, f.name) for f in fields(value)]
-        elif isinstance(value, (list, tuple)):
-            children = list(value)
-        elif isinstance(value, dict):
-            children = list(value.values())
-        else:
-            continue
-        stack.extend(c for c in children if isinstance(c, IntermediateValue))
-    return out
+    if isinstance(iv._value, Tensor):
+        return [iv]
+    return [leaf for child in _children(iv._value) for leaf in tensor_leaves(child)]
 
 
 def _rebuild_dataclass(like: Any, values: list) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -35,10 +36,15 @@ def _host_buffer(ctx: Context, size: int) -> torch.Tensor:
     return torch.empty(size, dtype=torch.uint8, pin_memory=ctx.gpu)
 
 
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
 def _raw_copy(ctx: Context, dst: torch.Tensor, src: torch.Tensor) -> None:
     """The ceiling: one non_blocking copy on a side stream (plain copy_ on CPU)."""
     if ctx.gpu:
-        side = _raw_copy.__dict__.setdefault("stream", torch.cuda.Stream(ctx.device))
+        side = _side_stream(ctx.device)
         side.wait_stream(torch.cuda.current_stream(ctx.device))
         with torch.cuda.stream(side):
             dst.copy_(src, non_blocking=True)
