@@ -32,9 +32,7 @@ struct Config {
 };
 
 std::unique_ptr<Backend> choose(const Config& c) {
-  TORCH_CHECK_VALUE(c.backend == "auto" || c.backend == "cuda" || c.backend == "host",
-                    "offcache: OFFCACHE_BACKEND must be 'auto', 'cuda' or 'host', got '", c.backend,
-                    "'");
+  // c.backend was validated by configure_global_engine().
   if (c.backend == "host") return std::make_unique<HostBackend>(c.host_copy_delay_us);
 #ifdef OFFCACHE_WITH_CUDA
   if (cuda_device_count() > 0) return make_cuda_backend(c.host_copy_delay_us);
@@ -79,7 +77,8 @@ bool global_engine_created() {
 void configure_global_engine(const std::string& backend, size_t pinned_limit, size_t min_chunk,
                              size_t max_in_flight, int64_t host_copy_delay_us) {
   TORCH_CHECK_VALUE(backend == "auto" || backend == "cuda" || backend == "host",
-                    "offcache: backend must be 'auto', 'cuda' or 'host', got '", backend, "'");
+                    "offcache: backend (OFFCACHE_BACKEND) must be 'auto', 'cuda' or 'host', got '",
+                    backend, "'");
   std::lock_guard<std::mutex> lock(g_mu);
   g_config = Config{backend, pinned_limit, min_chunk, max_in_flight, host_copy_delay_us};
   // The old engine only serves the tensors it still owns: give back its spare chunks.

@@ -102,9 +102,7 @@ def configure(
     Tensors stored earlier keep working: they stay owned by the engine that made them.
     """
     env = os.environ.get
-    backend = backend or env("OFFCACHE_BACKEND", "auto") or "auto"
-    if backend not in ("auto", "cuda", "host"):
-        raise ValueError(f"OFFCACHE_BACKEND must be 'auto', 'cuda' or 'host', got {backend!r}")
+    backend = backend or env("OFFCACHE_BACKEND", "auto") or "auto"  # _C.configure validates it
     limit = pinned_limit if pinned_limit is not None else env("OFFCACHE_PINNED_LIMIT")
     _C.configure(
         backend=backend,
