@@ -7,12 +7,11 @@ an error. Install with: pip install --no-build-isolation .
 """
 
 import os
-import re
 import shutil
 from pathlib import Path
 
 import torch
-from setuptools import find_packages, setup
+from setuptools import setup
 
 ROOT = Path(__file__).parent
 
@@ -44,8 +43,6 @@ from torch.utils.cpp_extension import (  # noqa: E402  (reads CUDA_HOME at impor
     CUDAExtension,
 )
 
-VERSION = re.search(r'__version__ = "([^"]+)"', (ROOT / "offcache/__init__.py").read_text())[1]
-
 CORE = [
     "csrc/core/arena.cpp",
     "csrc/core/deferred_free.cpp",
@@ -64,6 +61,8 @@ ENGINE = [
     "csrc/bindings.cpp",
 ]
 CUDA_SOURCES = ["csrc/backend_cuda.cpp"]
+# Headers: an edit to one rebuilds the extension (setuptools compares them with the .so's time).
+HEADERS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.h"))
 
 
 def cuda_build_reasons() -> list[str]:
@@ -91,19 +90,24 @@ def extension():
             "offcache._C",
             CORE + ENGINE + CUDA_SOURCES,
             define_macros=macros,
+            depends=HEADERS,
             extra_compile_args={"cxx": flags, "nvcc": []},
         )
-    return CppExtension("offcache._C", CORE + ENGINE, define_macros=macros, extra_compile_args={"cxx": flags})
+    return CppExtension(
+        "offcache._C", CORE + ENGINE, define_macros=macros, depends=HEADERS, extra_compile_args={"cxx": flags}
+    )
 
 
+def ext_modules():
+    # scripts/setup.sh builds the engine in place first (ninja, incremental), then makes the
+    # editable install with this set, so that install does not compile it a second time.
+    if os.environ.get("OFFCACHE_EDITABLE_NO_BUILD") == "1":
+        return []
+    return [extension()]
+
+
+# Metadata (name, version, dependencies, scripts) is in pyproject.toml; this file builds the engine.
 setup(
-    name="offcache",
-    version=VERSION,
-    description="Asynchronous GPU <-> pinned-host tensor cache for large-model pipelines",
-    packages=find_packages(include=["offcache", "offcache.*"]),
-    python_requires=">=3.10",
-    install_requires=["torch", "numpy", "tqdm", "matplotlib"],
-    ext_modules=[extension()],
+    ext_modules=ext_modules(),
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
-    entry_points={"console_scripts": ["offcache-bench=offcache.bench.__main__:main"]},
 )

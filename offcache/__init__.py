@@ -4,7 +4,7 @@ import offcache
 offcache.patch_llmcompressor()   # llm-compressor now uses offcache's cache
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 

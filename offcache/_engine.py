@@ -1,11 +1,14 @@
 """Thin typed wrappers over the compiled engine, offcache._C, and its configuration.
 
+Nothing else in offcache calls offcache._C: this module is the seam.
+
 Environment (read when offcache is imported; ``configure`` changes it later):
   OFFCACHE_BACKEND             auto | cuda | host (default auto: CUDA when a GPU is visible)
   OFFCACHE_PINNED_LIMIT        pinned budget: bytes, a size such as 64GiB, or a % of RAM
-  OFFCACHE_CHUNK_BYTES         smallest arena chunk (default 2MiB)
-  OFFCACHE_MAX_IN_FLIGHT       bound on bytes being copied at once (default 1GiB)
+  OFFCACHE_CHUNK_BYTES         smallest arena chunk
+  OFFCACHE_MAX_IN_FLIGHT       bound on bytes being copied at once
   OFFCACHE_HOST_COPY_DELAY_US  slows each host-backend copy (tests widen race windows)
+Defaults: DEFAULTS below.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 import warnings
+from collections.abc import Sequence
 
 import torch
 
@@ -23,27 +27,53 @@ except ImportError as exc:  # no silent fallback: the engine is the product
 
     here = Path(__file__).parent
     built = list(here.glob("_C*.so"))
-    where = (
-        f"{exc}"
-        if built
-        else f"{here} holds no compiled engine (a source checkout on sys.path ahead of the installed package?)"
-    )
+    where = f"{exc}" if built else f"{here} holds no compiled engine"
     raise ImportError(
         f"offcache's compiled engine (offcache._C) is missing or does not load: {where}. "
-        "Build it against the torch you run with: `pip install --no-build-isolation .` from a checkout "
-        "(or `python setup.py build_ext --inplace` for development)."
+        "Build it against the torch you run with: `bash scripts/setup.sh`, or "
+        "`pip install --no-build-isolation -e .` from a checkout."
     ) from exc
 
 __all__ = [
+    "DEFAULTS",
     "SpillWarning",
+    "Ticket",
+    "backend_name",
     "build_info",
     "configure",
     "empty_cache",
+    "fetch",
+    "is_arena_tensor",
+    "is_offcache_tensor",
     "parse_size",
     "set_pinned_limit",
     "stats",
+    "store",
     "synchronize",
+    "trace_start",
+    "trace_stop",
+    "wait_stored",
 ]
+
+Tensor = torch.Tensor
+Ticket = _C.Ticket
+
+# The one place the configuration defaults are written (tests check the README's table against it).
+DEFAULTS: dict[str, str | int] = {
+    "backend": "auto",
+    "pinned_limit": "40%",  # of RAM, divided among the local ranks (LOCAL_WORLD_SIZE)
+    "min_chunk": "2MiB",
+    "max_in_flight": "1GiB",
+    "host_copy_delay_us": 0,
+}
+_ENV = {
+    "backend": "OFFCACHE_BACKEND",
+    "pinned_limit": "OFFCACHE_PINNED_LIMIT",
+    "min_chunk": "OFFCACHE_CHUNK_BYTES",
+    "max_in_flight": "OFFCACHE_MAX_IN_FLIGHT",
+    "host_copy_delay_us": "OFFCACHE_HOST_COPY_DELAY_US",
+}
+_SIZE_MAX = 2**64 - 1
 
 _UNITS = {
     "": 1, "b": 1,
@@ -52,6 +82,7 @@ _UNITS = {
     "g": 1024**3, "gib": 1024**3, "gb": 1000**3,
     "t": 1024**4, "tib": 1024**4, "tb": 1000**4,
 }  # fmt: skip
+_SIZE_FORMS = "bytes as an int, or a string such as '512MiB', '64GiB', '1.5GB' or '40%' (of RAM)"
 
 
 class SpillWarning(UserWarning):
@@ -62,22 +93,48 @@ def total_ram_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def parse_size(text: str | int) -> int:
-    """Bytes from an int, '123', '512MiB', '64GiB', '1.5GB' or '40%' (of RAM)."""
+def parse_size(text: str | int, what: str = "a size") -> int:
+    """Bytes from an int, '123', '512MiB', '64GiB', '1.5GB' or '40%' (of RAM).
+
+    `what` names the setting in the error (e.g. "OFFCACHE_PINNED_LIMIT").
+    """
+    if isinstance(text, bool) or not isinstance(text, (int, str)):
+        raise TypeError(f"{what} must be {_SIZE_FORMS}; got {text!r} ({type(text).__name__})")
     if isinstance(text, int):
-        if text < 0:
-            raise ValueError(f"a size must not be negative, got {text}")
-        return text
-    s = str(text).strip().lower()
-    if s.endswith("%"):
-        pct = float(s[:-1])
-        if not 0 < pct <= 100:
-            raise ValueError(f"a percentage of RAM must be in (0, 100], got {text!r}")
-        return int(total_ram_bytes() * pct / 100)
-    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-z]*)", s)
-    if not m or m[2] not in _UNITS:
-        raise ValueError(f"cannot read {text!r} as a size: use bytes, e.g. 512MiB, 64GiB or 40%")
-    return int(float(m[1]) * _UNITS[m[2]])
+        n = text
+    else:
+        s = text.strip().lower()
+        if s.endswith("%"):
+            try:
+                pct = float(s[:-1])
+            except ValueError:
+                pct = float("nan")
+            if not 0 < pct <= 100:
+                raise ValueError(f"{what}: a percentage of RAM must be in (0, 100], got {text!r}")
+            return int(total_ram_bytes() * pct / 100)
+        m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-z]*)", s)
+        if not m or m[2] not in _UNITS:
+            raise ValueError(f"{what}: cannot read {text!r} as a size; use {_SIZE_FORMS}")
+        n = int(float(m[1]) * _UNITS[m[2]])
+    if not 0 <= n <= _SIZE_MAX:
+        raise ValueError(f"{what} must be between 0 and 2**64 - 1 bytes, got {text!r}")
+    return n
+
+
+def _parse_int(text: str | int, what: str, low: int = 0) -> int:
+    try:
+        n = int(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be an integer >= {low}, got {text!r}") from None
+    if isinstance(text, float) or n < low:
+        raise ValueError(f"{what} must be an integer >= {low}, got {text!r}")
+    return n
+
+
+def local_world_size() -> int:
+    """LOCAL_WORLD_SIZE as set by torchrun (1 when unset)."""
+    raw = os.environ.get("LOCAL_WORLD_SIZE") or "1"
+    return _parse_int(raw, "LOCAL_WORLD_SIZE (set by torchrun: processes on this host)", low=1)
 
 
 def default_pinned_limit() -> int:
@@ -86,8 +143,17 @@ def default_pinned_limit() -> int:
     Several processes pinning independently can exhaust the host (llm-compressor
     #2790), so each rank takes its share.
     """
-    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-    return int(total_ram_bytes() * 0.4) // ranks
+    return parse_size(DEFAULTS["pinned_limit"]) // local_world_size()
+
+
+def _setting(name: str, given):
+    """An argument, else its environment variable, else the default; with the name for errors."""
+    if given is not None:
+        return given, f"configure({name}=...)"
+    env = os.environ.get(_ENV[name])
+    if env:
+        return env, _ENV[name]
+    return DEFAULTS[name], f"the default {name}"
 
 
 def configure(
@@ -99,25 +165,33 @@ def configure(
 ) -> None:
     """(Re)configure the process-wide engine; unset arguments come from the environment.
 
-    Tensors stored earlier keep working: they stay owned by the engine that made them.
+    Tensors stored earlier keep working: the engine that made them serves them until the
+    last one dies, then stops its threads and gives its memory back.
     """
-    env = os.environ.get
-    backend = backend or env("OFFCACHE_BACKEND", "auto") or "auto"  # _C.configure validates it
-    limit = pinned_limit if pinned_limit is not None else env("OFFCACHE_PINNED_LIMIT")
+    backend, _ = _setting("backend", backend)
+    limit, limit_name = _setting("pinned_limit", pinned_limit)
+    chunk, chunk_name = _setting("min_chunk", min_chunk)
+    flight, flight_name = _setting("max_in_flight", max_in_flight)
+    delay, delay_name = _setting("host_copy_delay_us", host_copy_delay_us)
+    if limit_name == "the default pinned_limit":
+        limit_bytes = default_pinned_limit()
+    else:
+        limit_bytes = parse_size(limit, limit_name)
+    chunk_bytes = parse_size(chunk, chunk_name)
+    if chunk_bytes == 0:
+        raise ValueError(f"{chunk_name} must be at least 1 byte, got {chunk!r}")
     _C.configure(
-        backend=backend,
-        pinned_limit=parse_size(limit) if limit else default_pinned_limit(),
-        min_chunk=parse_size(min_chunk or env("OFFCACHE_CHUNK_BYTES") or "2MiB"),
-        max_in_flight=parse_size(max_in_flight or env("OFFCACHE_MAX_IN_FLIGHT") or "1GiB"),
-        host_copy_delay_us=int(
-            host_copy_delay_us if host_copy_delay_us is not None else env("OFFCACHE_HOST_COPY_DELAY_US", "0") or 0
-        ),
+        backend=str(backend),
+        pinned_limit=limit_bytes,
+        min_chunk=chunk_bytes,
+        max_in_flight=parse_size(flight, flight_name),
+        host_copy_delay_us=_parse_int(delay, f"{delay_name} (microseconds)"),
     )
 
 
 def set_pinned_limit(limit: str | int) -> None:
     """Set the pinned budget (bytes, '64GiB', '40%'). Values past it spill to pageable memory."""
-    _C.set_pinned_limit(parse_size(limit))
+    _C.set_pinned_limit(parse_size(limit, "set_pinned_limit(limit)"))
 
 
 def stats() -> dict:
@@ -135,27 +209,77 @@ def empty_cache() -> int:
     return _C.empty_cache()
 
 
+def backend_name() -> str:
+    """'cuda' or 'host': the backend of the process-wide engine."""
+    return _C.backend_name()
+
+
 def build_info() -> dict:
+    """Version (with the build variant, e.g. 0.2.0+cu130 or 0.2.0+cpu), torch, CUDA and backend."""
+    from offcache import __version__
+
+    variant = "cu" + _C.cuda_version.replace(".", "") if _C.cuda_compiled else "cpu"
     return {
-        "version": _version(),
+        "version": f"{__version__}+{variant}",
         "torch": _C.torch_version,
         "torch_runtime": torch.__version__,
         "cuda": bool(_C.cuda_compiled),
         "cuda_version": _C.cuda_version,
-        "backend": _C.backend_name(),
+        "backend": backend_name(),
     }
 
 
-def _version() -> str:
-    from offcache import __version__
-
-    return __version__
+# The engine calls ---------------------------------------------------------------------------
 
 
-def warn_if_spilled() -> None:
+def store(values: Sequence[Tensor], device: torch.device, allow_spill: bool = True) -> list[Tensor]:
+    """Snapshot `values` now and copy them to `device` (CPU: the pinned arena), in order.
+
+    The result holds what the values held at the call, whatever the caller does to them
+    afterwards. With allow_spill=False a value that does not fit the arena comes back as is.
+    """
+    return _C.store(list(values), device, allow_spill)
+
+
+def fetch(stored: Sequence[Tensor], device: torch.device, wait: bool = True) -> tuple[list[Tensor], Ticket]:
+    """Copies of `stored` on `device`, and the ticket of their copy.
+
+    wait=True: the current stream of `device` already waits for the copy. Otherwise call
+    ``ticket.wait()`` before using the tensors.
+    """
+    return _C.fetch(list(stored), device, wait)
+
+
+def wait_stored(t: Tensor) -> None:
+    """Block until the store that produced `t` has written it, so it can be read directly."""
+    _C.wait_stored(t)
+
+
+def is_arena_tensor(t: Tensor) -> bool:
+    """True for a stored tensor in the pinned arena of the current engine."""
+    return _C.is_arena_tensor(t)
+
+
+def is_offcache_tensor(t: Tensor) -> bool:
+    """True for a CPU tensor whose memory offcache manages (arena or spilled)."""
+    return _C.is_offcache_tensor(t)
+
+
+def trace_start(device: torch.device) -> None:
+    """Record copy batches from now on, timed from an event on `device`'s current stream."""
+    _C.trace_start(device)
+
+
+def trace_stop() -> list[dict]:
+    """The copy batches since trace_start: stream ('d2h'/'h2d'), bytes, start_ms, end_ms."""
+    return _C.trace_stop()
+
+
+def warn_if_spilled(stacklevel: int = 2) -> None:
+    """Emit the engine's one-time spill notice as a SpillWarning pointing at the caller's caller."""
     notice = _C.take_spill_notice()
     if notice:
-        warnings.warn(notice, SpillWarning, stacklevel=3)
+        warnings.warn(notice, SpillWarning, stacklevel=stacklevel + 1)
 
 
 configure()

@@ -18,7 +18,6 @@ import torch
 from tqdm import tqdm
 
 from offcache import _engine
-from offcache._engine import _C
 from offcache.tree import IntermediateValue, collect, plan, rebuild, tensor_leaves
 
 __all__ = ["IntermediateValue", "IntermediatesCache"]
@@ -160,10 +159,10 @@ class IntermediatesCache:
             for name, iv in batch.items()
             if input_names is None or name in input_names
             for leaf in tensor_leaves(iv)
-            if leaf._value.device.type == "cpu" and not _C.is_arena_tensor(leaf._value)
+            if leaf._value.device.type == "cpu" and not _engine.is_arena_tensor(leaf._value)
         ]
         if leaves:
-            pinned = _C.store([leaf._value for leaf in leaves], _CPU, allow_spill=False)
+            pinned = _engine.store([leaf._value for leaf in leaves], _CPU, allow_spill=False)
             for leaf, value in zip(leaves, pinned):
                 if value is not leaf._value:
                     leaf._value, leaf._pending = value, True
@@ -250,10 +249,10 @@ def _store(leaves: list[IntermediateValue], offload_device: torch.device | None)
     """Replace each leaf's source tensor by its stored copy (one engine call)."""
     if offload_device is None or not leaves:
         return
-    stored = _C.store([leaf._value for leaf in leaves], offload_device)
+    stored = _engine.store([leaf._value for leaf in leaves], offload_device)
     for leaf, value in zip(leaves, stored):
         leaf._value, leaf._pending = value, True
-    _engine.warn_if_spilled()
+    _engine.warn_if_spilled(stacklevel=4)  # the caller of update() / append() / from_dataloader()
 
 
 def _onload_ivs(ivs: list[IntermediateValue], wait: bool) -> tuple[list[Any], list]:
@@ -293,6 +292,6 @@ def _fetch(sources: list[Tensor], device, wait: bool, tickets: list) -> list[Ten
     """The engine's fetch; a tensor already on `device` that offcache does not own comes back as is."""
     if device.__class__ is not torch.device:
         device = torch.device(device)
-    out, ticket = _C.fetch(sources, device, wait)
+    out, ticket = _engine.fetch(sources, device, wait)
     tickets.append(ticket)
     return out

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
-from offcache._engine import _C
+from offcache import _engine
 
 _CPU = torch.device("cpu")
 
@@ -37,7 +37,7 @@ class _Offloaded:
     def prefetch(self) -> None:
         """Start the H2D copy of this layer's K/V; update() waits on it."""
         if self._host_k and self._prefetched is None:
-            tensors, ticket = _C.fetch(self._host_k + self._host_v, self.device, False)
+            tensors, ticket = _engine.fetch(self._host_k + self._host_v, self.device, False)
             self._prefetched = (tensors, ticket, len(self._host_k))
 
     def offload(self) -> None:  # the K/V already live in the arena
@@ -49,7 +49,7 @@ class _Offloaded:
             return None
         pre, self._prefetched = self._prefetched, None
         if pre is None or pre[2] != len(self._host_k):
-            tensors, _ = _C.fetch(self._host_k + self._host_v, self.device, True)
+            tensors, _ = _engine.fetch(self._host_k + self._host_v, self.device, True)
         else:
             tensors, ticket, _ = pre
             ticket.wait()  # the consumer stream waits on the H2D event
@@ -87,10 +87,10 @@ class OffloadedLayer(_Offloaded, DynamicLayer):
         self._seq = keys.shape[-2]
         if len(self._host_k) + 1 >= self.compact_every:
             # One chunk for everything: bounds the copies per fetch.
-            k, v = _C.store([keys, values], _CPU)
+            k, v = _engine.store([keys, values], _CPU)
             self._host_k, self._host_v = [k], [v]
         else:  # only the new tokens go D2H
-            k, v = _C.store([key_states, value_states], _CPU)
+            k, v = _engine.store([key_states, value_states], _CPU)
             self._host_k.append(k)
             self._host_v.append(v)
         return keys, values
@@ -128,7 +128,7 @@ class OffloadedSlidingLayer(_Offloaded, DynamicSlidingWindowLayer):
             if past is not None:
                 self.keys, self.values = past
         keys, values = super().update(key_states, value_states, *args, **kwargs)
-        k, v = _C.store([self.keys, self.values], _CPU)
+        k, v = _engine.store([self.keys, self.values], _CPU)
         self._host_k, self._host_v = [k], [v]
         self.keys = self.values = None  # the window lives in the arena until the next step
         return keys, values

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from offcache._engine import _C
+from offcache import _engine
 
 Tensor = torch.Tensor
 _PLAIN_LEAVES = (int, str, float, bool, torch.dtype, torch.device, type(None))
@@ -39,7 +39,7 @@ class IntermediateValue:
 
 def _get_value(self: IntermediateValue) -> Any:
     if self._pending:
-        _C.wait_stored(self._value)
+        _engine.wait_stored(self._value)
         self._pending = False
     return self._value
 

@@ -5,6 +5,14 @@ import torch
 
 import offcache
 
+# The engine configurations the model-based tests run under, by id.
+ENGINE_CONFIGS = {
+    "default": {},
+    "host": {"backend": "host"},
+    # A 1 MiB budget and slowed copies: spills, and wide race windows.
+    "host-1MiB-slow": {"backend": "host", "pinned_limit": "1MiB", "min_chunk": "256KiB", "host_copy_delay_us": 200},
+}
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
@@ -31,3 +39,11 @@ def engine_config():
 def host_engine(engine_config):
     engine_config(backend="host")
     return engine_config
+
+
+@pytest.fixture(params=list(ENGINE_CONFIGS))
+def engine(request, engine_config):
+    """The engine under each configuration of ENGINE_CONFIGS (narrow with indirect parametrize)."""
+    config = ENGINE_CONFIGS[request.param]
+    engine_config(**config)
+    return config

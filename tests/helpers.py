@@ -62,20 +62,6 @@ def snapshot(value):
     return value
 
 
-def backend_configs():
-    """The engine configurations every model-based test runs under."""
-    import pytest
-
-    return [
-        pytest.param({}, id="default"),
-        pytest.param({"backend": "host"}, id="host"),
-        pytest.param(
-            {"backend": "host", "pinned_limit": "1MiB", "min_chunk": "256KiB", "host_copy_delay_us": 200},
-            id="host-1MiB-slow",
-        ),
-    ]
-
-
 CPU = torch.device("cpu")
 
-__all__ = ["CPU", "backend_configs", "Frozen", "OrderedDict", "Outer", "Pair", "assert_same", "snapshot"]
+__all__ = ["CPU", "Frozen", "OrderedDict", "Outer", "Pair", "assert_same", "snapshot"]

@@ -4,10 +4,10 @@ import warnings
 
 import pytest
 import torch
-from helpers import Frozen, OrderedDict, Outer, Pair, assert_same
 
 import offcache
-from offcache import _C, IntermediatesCache, IntermediateValue
+from offcache import IntermediatesCache, IntermediateValue, _engine
+from tests.helpers import Frozen, OrderedDict, Outer, Pair, assert_same
 
 try:
     from llmcompressor.pipelines.cache import IntermediatesCache as LCCache
@@ -48,7 +48,7 @@ def test_offloaded_values_are_cpu_arena_tensors_with_onload_device():
     iv = cache.batch_intermediates[0]["x"]
     assert isinstance(iv, IntermediateValue)
     assert iv.value.device.type == "cpu" and iv.device == x.device
-    assert _C.is_offcache_tensor(iv.value)
+    assert _engine.is_offcache_tensor(iv.value)
 
 
 def test_update_overwrites_and_delete_semantics():

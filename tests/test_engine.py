@@ -6,19 +6,19 @@ import threading
 
 import pytest
 import torch
-from helpers import CPU
 
 import offcache
-from offcache import _C
+from offcache import _engine
+from tests.helpers import CPU
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.bool, torch.complex64]
 
 
 def store_now(values):
     """Store and wait until the copies are written (stored tensors are read directly)."""
-    out = _C.store(values, CPU)
+    out = _engine.store(values, CPU)
     for t in out:
-        _C.wait_stored(t)
+        _engine.wait_stored(t)
     return out
 
 
@@ -37,10 +37,10 @@ def make(dtype, shape, seed=0):
 @pytest.mark.parametrize("shape", [(), (1,), (3, 5), (2, 3, 4, 5), (1 << 19,)])
 def test_roundtrip_bit_exact(host_engine, dtype, shape):
     x = make(dtype, shape)
-    (stored,) = _C.store([x], CPU)
-    assert _C.is_arena_tensor(stored)
+    (stored,) = _engine.store([x], CPU)
+    assert _engine.is_arena_tensor(stored)
     assert stored.data_ptr() != x.data_ptr()
-    (back,), _ = _C.fetch([stored], CPU, True)
+    (back,), _ = _engine.fetch([stored], CPU, True)
     assert back.dtype == dtype and back.shape == x.shape
     assert torch.equal(
         back.view(torch.uint8) if dtype == torch.bool else back,
@@ -55,17 +55,17 @@ def test_non_contiguous_and_zero_size(host_engine):
     stored = store_now([x, z])
     assert stored[0].is_contiguous() and torch.equal(stored[0], x)
     assert stored[1].shape == (0, 4)
-    back, _ = _C.fetch(stored, CPU, True)
+    back, _ = _engine.fetch(stored, CPU, True)
     assert torch.equal(back[0], x) and back[1].shape == (0, 4)
 
 
 def test_small_values_share_one_block_and_one_fetch_copy(host_engine):
     xs = [torch.full((64,), float(i)) for i in range(100)]
     before = offcache.stats()
-    stored = _C.store(xs, CPU)
+    stored = _engine.store(xs, CPU)
     ptrs = {t.untyped_storage().data_ptr() for t in stored}
     assert len(ptrs) == 1  # one packed block
-    back, _ = _C.fetch(stored, CPU, True)
+    back, _ = _engine.fetch(stored, CPU, True)
     after = offcache.stats()
     assert after["h2d_copies"] - before["h2d_copies"] == 1
     assert all(torch.equal(b, x) for b, x in zip(back, xs))
@@ -73,29 +73,29 @@ def test_small_values_share_one_block_and_one_fetch_copy(host_engine):
 
 def test_large_values_get_their_own_blocks(host_engine):
     xs = [torch.randn(1 << 19) for _ in range(3)]  # 2 MiB each
-    stored = _C.store(xs, CPU)
+    stored = _engine.store(xs, CPU)
     assert len({t.untyped_storage().data_ptr() for t in stored}) == 3
 
 
 def test_dedup_hit_returns_same_copy(host_engine):
     x = torch.randn(100)
-    (a,) = _C.store([x], CPU)
+    (a,) = _engine.store([x], CPU)
     hits = offcache.stats()["dedup_hits"]
-    (b,) = _C.store([x], CPU)
+    (b,) = _engine.store([x], CPU)
     assert b.data_ptr() == a.data_ptr()
     assert offcache.stats()["dedup_hits"] == hits + 1
 
 
 def test_dedup_table_does_not_grow_with_dead_sources(host_engine):
     for _ in range(5000):
-        _C.store([torch.randn(16)], CPU)  # source and copy die at once
+        _engine.store([torch.randn(16)], CPU)  # source and copy die at once
     offcache.synchronize()
     assert offcache.stats()["dedup_entries"] <= 2048
 
 
 def test_dedup_within_one_call(host_engine):
     x = torch.randn(100)
-    a, b = _C.store([x, x], CPU)
+    a, b = _engine.store([x, x], CPU)
     assert a.data_ptr() == b.data_ptr()
 
 
@@ -120,27 +120,27 @@ def test_reading_a_stored_value_waits_for_its_store(host_engine):
 def test_edit_during_in_flight_store_raises_instead_of_returning_torn_data(host_engine):
     host_engine(backend="host", host_copy_delay_us=50000)
     x = torch.zeros(1000)
-    (a,) = _C.store([x], CPU)
+    (a,) = _engine.store([x], CPU)
     x.fill_(1.0)  # the copy has not started yet: its delay is still running
     with pytest.raises(RuntimeError, match="modified in place while its store"):
-        _C.fetch([a], CPU, True)
+        _engine.fetch([a], CPU, True)
     with pytest.raises(RuntimeError, match="modified in place while its store"):
-        _C.wait_stored(a)
+        _engine.wait_stored(a)
 
 
 def test_edit_after_store_completed_is_fine(host_engine):
     host_engine(backend="host", host_copy_delay_us=1000)
     x = torch.zeros(1000)
-    (a,) = _C.store([x], CPU)
+    (a,) = _engine.store([x], CPU)
     offcache.synchronize()
     x.fill_(1.0)
-    (b,), _ = _C.fetch([a], CPU, True)
+    (b,), _ = _engine.fetch([a], CPU, True)
     assert torch.equal(b, torch.zeros(1000))
 
 
 def test_dead_source_is_not_served(host_engine):
     x = torch.randn(100)
-    (a,) = _C.store([x], CPU)
+    (a,) = _engine.store([x], CPU)
     del x
     y = torch.randn(100)  # may reuse x's TensorImpl address
     (b,) = store_now([y])
@@ -150,7 +150,7 @@ def test_dead_source_is_not_served(host_engine):
 
 def test_dead_stored_copy_is_not_served(host_engine):
     x = torch.randn(100)
-    (a,) = _C.store([x], CPU)
+    (a,) = _engine.store([x], CPU)
     del a
     (b,) = store_now([x])
     assert torch.equal(b, x)
@@ -159,14 +159,14 @@ def test_dead_stored_copy_is_not_served(host_engine):
 def test_fetch_right_after_slow_store_waits_for_it(host_engine):
     host_engine(backend="host", host_copy_delay_us=20000)
     xs = [torch.randn(1000) + i for i in range(5)]
-    stored = _C.store(xs, CPU)
-    back, _ = _C.fetch(stored, CPU, True)  # must not read the block before the store wrote it
+    stored = _engine.store(xs, CPU)
+    back, _ = _engine.fetch(stored, CPU, True)  # must not read the block before the store wrote it
     assert all(torch.equal(b, x) for b, x in zip(back, xs))
 
 
 def test_source_dropped_right_after_store(host_engine):
     host_engine(backend="host", host_copy_delay_us=20000)
-    stored = _C.store([torch.full((1000,), 7.0)], CPU)  # the source dies at once
+    stored = _engine.store([torch.full((1000,), 7.0)], CPU)  # the source dies at once
     torch.randn(1000)  # reuse its memory
     offcache.synchronize()
     assert torch.equal(stored[0], torch.full((1000,), 7.0))
@@ -174,13 +174,13 @@ def test_source_dropped_right_after_store(host_engine):
 
 def test_block_freed_during_its_store_is_reused_only_after_the_copy(host_engine):
     host_engine(backend="host", host_copy_delay_us=30000, min_chunk="64KiB")
-    (a,) = _C.store([torch.full((1024,), 1.0)], CPU)
+    (a,) = _engine.store([torch.full((1024,), 1.0)], CPU)
     in_use = offcache.stats()["pinned_in_use_bytes"]
     a_ptr = a.data_ptr()
     del a  # the store is still writing the block
     s = offcache.stats()
     assert s["deferred_bytes"] > 0 and s["pinned_in_use_bytes"] == in_use
-    (b,) = _C.store([torch.full((1024,), 2.0)], CPU)
+    (b,) = _engine.store([torch.full((1024,), 2.0)], CPU)
     assert b.data_ptr() != a_ptr  # the block is not handed out again yet
     offcache.synchronize()
     assert offcache.stats()["deferred_bytes"] == 0
@@ -189,14 +189,14 @@ def test_block_freed_during_its_store_is_reused_only_after_the_copy(host_engine)
 
 def test_block_read_by_a_fetch_stays_alive_until_the_fetch_completes(host_engine):
     host_engine(backend="host", host_copy_delay_us=30000, min_chunk="64KiB")
-    (a,) = _C.store([torch.full((1024,), 1.0)], CPU)
+    (a,) = _engine.store([torch.full((1024,), 1.0)], CPU)
     offcache.synchronize()
-    (back,), ticket = _C.fetch([a], CPU, False)  # a slow fetch still reads `a`
+    (back,), ticket = _engine.fetch([a], CPU, False)  # a slow fetch still reads `a`
     in_use = offcache.stats()["pinned_in_use_bytes"]
     a_ptr = a.data_ptr()
     del a
     assert offcache.stats()["pinned_in_use_bytes"] == in_use
-    (b,) = _C.store([torch.full((1024,), 2.0)], CPU)
+    (b,) = _engine.store([torch.full((1024,), 2.0)], CPU)
     assert b.data_ptr() != a_ptr
     ticket.wait()
     assert torch.equal(back, torch.full((1024,), 1.0))
@@ -206,15 +206,15 @@ def test_block_read_by_a_fetch_stays_alive_until_the_fetch_completes(host_engine
 
 def test_prefetch_ticket_orders_consumer(host_engine):
     host_engine(backend="host", host_copy_delay_us=20000)
-    (a,) = _C.store([torch.arange(1000.0)], CPU)
-    (back,), ticket = _C.fetch([a], CPU, False)
+    (a,) = _engine.store([torch.arange(1000.0)], CPU)
+    (back,), ticket = _engine.fetch([a], CPU, False)
     ticket.wait()
     assert ticket.query()
     assert torch.equal(back, torch.arange(1000.0))
 
 
 def test_pinned_bytes_return_to_zero(host_engine):
-    stored = _C.store([torch.randn(1000) for _ in range(10)] + [torch.randn(1 << 20)], CPU)
+    stored = _engine.store([torch.randn(1000) for _ in range(10)] + [torch.randn(1 << 20)], CPU)
     assert offcache.stats()["pinned_in_use_bytes"] > 0
     del stored
     offcache.synchronize()
@@ -234,7 +234,7 @@ def test_tensor_larger_than_a_chunk(host_engine):
     host_engine(backend="host", min_chunk="256KiB")
     x = torch.randn(1 << 20)  # 4 MiB > chunk
     (a,) = store_now([x])
-    assert _C.is_arena_tensor(a) and torch.equal(a, x)
+    assert _engine.is_arena_tensor(a) and torch.equal(a, x)
     reserved = offcache.stats()["pinned_reserved_bytes"]
     assert reserved >= x.nbytes
     del a
@@ -267,14 +267,14 @@ def test_pin_memory_moves_spilled_values_back_when_room(host_engine):
     with pytest.warns(offcache.SpillWarning):
         cache.update(0, {"a": a})
         cache.update(1, {"b": b})
-    assert _C.is_arena_tensor(cache.batch_intermediates[0]["a"].value)
-    assert not _C.is_arena_tensor(cache.batch_intermediates[1]["b"].value)
+    assert _engine.is_arena_tensor(cache.batch_intermediates[0]["a"].value)
+    assert not _engine.is_arena_tensor(cache.batch_intermediates[1]["b"].value)
     cache.pin_memory(1)  # no room yet: stays where it is
-    assert not _C.is_arena_tensor(cache.batch_intermediates[1]["b"].value)
+    assert not _engine.is_arena_tensor(cache.batch_intermediates[1]["b"].value)
     cache.delete(0)
     offcache.synchronize()
     cache.pin_memory(1)
-    assert _C.is_arena_tensor(cache.batch_intermediates[1]["b"].value)
+    assert _engine.is_arena_tensor(cache.batch_intermediates[1]["b"].value)
     assert torch.equal(cache.fetch(1)["b"], b)
     offcache.synchronize()
     assert offcache.stats()["pageable_bytes"] == 0  # the spilled copy was freed
@@ -282,7 +282,7 @@ def test_pin_memory_moves_spilled_values_back_when_room(host_engine):
 
 def test_in_flight_bytes_are_bounded(host_engine):
     host_engine(backend="host", max_in_flight="64KiB", host_copy_delay_us=1000)
-    stored = [_C.store([torch.randn(4096)], CPU)[0] for _ in range(20)]  # 16 KiB each
+    stored = [_engine.store([torch.randn(4096)], CPU)[0] for _ in range(20)]  # 16 KiB each
     assert offcache.stats()["peak_in_flight_bytes"] <= 64 * 1024
     assert all(t.numel() == 4096 for t in stored)
 
@@ -298,29 +298,29 @@ def test_in_flight_bytes_are_bounded(host_engine):
 )
 def test_engine_rejects_bad_tensors(host_engine, bad, error, match):
     with pytest.raises(error, match=match):
-        _C.store([bad()], CPU)
+        _engine.store([bad()], CPU)
 
 
 def test_trace_records_copies_on_both_streams(host_engine):
     host_engine(backend="host", host_copy_delay_us=2000)
-    _C.trace_start(CPU)
-    (a,) = _C.store([torch.randn(1000)], CPU)
-    _C.fetch([a], CPU, True)
-    rows = _C.trace_stop()
+    _engine.trace_start(CPU)
+    (a,) = _engine.store([torch.randn(1000)], CPU)
+    _engine.fetch([a], CPU, True)
+    rows = _engine.trace_stop()
     assert sorted(r["stream"] for r in rows) == ["d2h", "h2d"]
     d2h = next(r for r in rows if r["stream"] == "d2h")
     h2d = next(r for r in rows if r["stream"] == "h2d")
     assert d2h["bytes"] == h2d["bytes"] == 4000
     assert 0 <= d2h["start_ms"] < d2h["end_ms"] <= h2d["end_ms"]  # the fetch waited for the store
     assert d2h["end_ms"] - d2h["start_ms"] >= 1.5  # the slowed copy
-    assert _C.trace_stop() == []  # tracing is off again
+    assert _engine.trace_stop() == []  # tracing is off again
 
 
 def test_requires_grad_is_kept_as_a_flag(host_engine):
     x = torch.randn(10, requires_grad=True)
     (a,) = store_now([x])
     assert a.requires_grad and a.grad_fn is None
-    (b,), _ = _C.fetch([a], CPU, True)
+    (b,), _ = _engine.fetch([a], CPU, True)
     assert b.requires_grad and torch.equal(b.detach(), x.detach())
 
 
@@ -344,13 +344,13 @@ def test_build_info():
 
 def _child(queue):
     x = torch.arange(100.0)
-    (a,) = _C.store([x], CPU)
-    (b,), _ = _C.fetch([a], CPU, True)
+    (a,) = _engine.store([x], CPU)
+    (b,), _ = _engine.fetch([a], CPU, True)
     queue.put(bool(torch.equal(b, x)))
 
 
 def test_host_backend_works_in_forked_child(host_engine):
-    _C.store([torch.randn(10)], CPU)  # the parent's engine exists, with worker threads
+    _engine.store([torch.randn(10)], CPU)  # the parent's engine exists, with worker threads
     ctx = mp.get_context("fork")
     q = ctx.Queue()
     p = ctx.Process(target=_child, args=(q,))

@@ -3,10 +3,10 @@
 
 import pytest
 import torch
-from helpers import CPU, assert_same
 
 import offcache
-from offcache import _C, IntermediatesCache
+from offcache import IntermediatesCache, _engine
+from tests.helpers import CPU, assert_same
 
 pytestmark = pytest.mark.gpu
 
@@ -15,17 +15,14 @@ DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.bool, torch.complex64
 
 
 @pytest.fixture(autouse=True)
-def cuda_engine():
-    offcache.configure(backend="cuda")
-    yield
-    offcache.synchronize()
-    offcache.configure()
+def cuda_engine(engine_config):
+    engine_config(backend="cuda")
 
 
 def test_backend_is_cuda_and_arena_is_pinned():
     assert offcache.build_info()["backend"] == "cuda"
-    (a,) = _C.store([torch.randn(1000, device=DEV)], CPU)
-    assert a.is_pinned() and _C.is_arena_tensor(a)
+    (a,) = _engine.store([torch.randn(1000, device=DEV)], CPU)
+    assert a.is_pinned() and _engine.is_arena_tensor(a)
     assert offcache.stats()["pinned"] is True
 
 
@@ -35,10 +32,10 @@ def test_backend_is_cuda_and_arena_is_pinned():
 def test_roundtrip(dtype, numel, direction):
     x = torch.randn(numel, device=DEV).to(dtype) if dtype != torch.bool else torch.rand(numel, device=DEV) > 0.5
     if direction == "d2h_then_h2d":
-        (stored,) = _C.store([x], CPU)
+        (stored,) = _engine.store([x], CPU)
     else:
         stored = x.cpu()  # a plain pageable CPU tensor fetched to the GPU
-    (back,), _ = _C.fetch([stored], DEV, True)
+    (back,), _ = _engine.fetch([stored], DEV, True)
     assert back.device == DEV
     assert_same(back, x)
 
@@ -49,17 +46,17 @@ def test_store_waits_for_the_producer_stream():
         x = torch.zeros(1 << 24, device=DEV)
         for _ in range(20):
             x.add_(1)  # long producer work on a side stream
-        (stored,) = _C.store([x], CPU)  # the producer is `side`: the copy must wait for it
-    (back,), _ = _C.fetch([stored], DEV, True)
+        (stored,) = _engine.store([x], CPU)  # the producer is `side`: the copy must wait for it
+    (back,), _ = _engine.fetch([stored], DEV, True)
     torch.cuda.synchronize()
     assert torch.all(back == 20)
 
 
 def test_consumer_stream_waits_for_fetch():
-    (stored,) = _C.store([torch.full((1 << 24,), 3.0, device=DEV)], CPU)
+    (stored,) = _engine.store([torch.full((1 << 24,), 3.0, device=DEV)], CPU)
     consumer = torch.cuda.Stream()
     with torch.cuda.stream(consumer):
-        (back,), _ = _C.fetch([stored], DEV, True)
+        (back,), _ = _engine.fetch([stored], DEV, True)
         total = back.sum()  # runs on `consumer`, after the H2D copy
     torch.cuda.synchronize()
     assert total.item() == 3.0 * (1 << 24)
@@ -67,25 +64,25 @@ def test_consumer_stream_waits_for_fetch():
 
 def test_fetch_immediately_after_store_reads_complete_data():
     xs = [torch.full((1 << 20,), float(i), device=DEV) for i in range(8)]
-    stored = _C.store(xs, CPU)
-    back, _ = _C.fetch(stored, DEV, True)
+    stored = _engine.store(xs, CPU)
+    back, _ = _engine.fetch(stored, DEV, True)
     for b, x in zip(back, xs):
         assert torch.equal(b, x)
 
 
 def test_source_freed_right_after_store_is_not_reused_early():
-    (stored,) = _C.store([torch.full((1 << 24,), 5.0, device=DEV)], CPU)
+    (stored,) = _engine.store([torch.full((1 << 24,), 5.0, device=DEV)], CPU)
     noise = [torch.full((1 << 24,), -1.0, device=DEV) for _ in range(4)]  # may take the freed memory
     del noise
-    (back,), _ = _C.fetch([stored], DEV, True)
+    (back,), _ = _engine.fetch([stored], DEV, True)
     assert torch.all(back == 5.0)
 
 
 def test_many_small_values_are_gathered_into_few_copies():
     xs = [torch.full((1024,), float(i), device=DEV) for i in range(1000)]
     before = offcache.stats()
-    stored = _C.store(xs, CPU)
-    back, _ = _C.fetch(stored, DEV, True)
+    stored = _engine.store(xs, CPU)
+    back, _ = _engine.fetch(stored, DEV, True)
     after = offcache.stats()
     assert after["h2d_copies"] - before["h2d_copies"] == 1
     for b, x in zip(back, xs):
@@ -133,13 +130,13 @@ def test_peer_offload_to_another_gpu():
 def test_cuda_engine_refuses_forked_child():
     import multiprocessing as mp
 
-    _C.store([torch.randn(10, device=DEV)], CPU)
+    _engine.store([torch.randn(10, device=DEV)], CPU)
     ctx = mp.get_context("fork")
     q = ctx.Queue()
 
     def child(q):
         try:
-            _C.store([torch.randn(10)], CPU)
+            _engine.store([torch.randn(10)], CPU)
             q.put("no error")
         except RuntimeError as exc:
             q.put(str(exc))

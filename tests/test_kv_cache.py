@@ -2,26 +2,15 @@
 
 import pytest
 import torch
-from helpers import backend_configs
 
 import offcache
+from offcache.bench.models import causal_lm
 
 transformers = pytest.importorskip("transformers")
 
 
 def tiny_model(kind: str):
-    torch.manual_seed(0)
-    common = dict(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-    )  # fmt: skip
-    if kind == "llama":
-        config = transformers.LlamaConfig(**common)
-        model = transformers.LlamaForCausalLM(config)
-    else:  # Mistral-style: every layer has a sliding window of 8
-        config = transformers.MistralConfig(sliding_window=8, **common)
-        model = transformers.MistralForCausalLM(config)
-    return model.eval()
+    return causal_lm(kind, sliding_window=8) if kind == "mistral" else causal_lm(kind)
 
 
 def generate(model, input_ids, cache, new_tokens):
@@ -36,14 +25,11 @@ def generate(model, input_ids, cache, new_tokens):
         )
 
 
-@pytest.fixture(params=backend_configs()[:2])
-def engine(request):
-    offcache.configure(**request.param)
-    yield
-    offcache.synchronize()
-    offcache.configure()
+# The default and host engines (the slow 1 MiB configuration adds nothing here).
+both_backends = pytest.mark.parametrize("engine", ["default", "host"], indirect=True)
 
 
+@both_backends
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
 @pytest.mark.parametrize("batch, prompt, new", [(1, 1, 20), (3, 5, 24), (2, 12, 30)])
 def test_greedy_tokens_identical_to_dynamic_cache(engine, kind, batch, prompt, new):
@@ -55,6 +41,7 @@ def test_greedy_tokens_identical_to_dynamic_cache(engine, kind, batch, prompt, n
     assert got.shape[1] == prompt + new  # past the sliding window of 8
 
 
+@both_backends
 def test_sliding_layers_can_be_offloaded_too(engine):
     model = tiny_model("mistral")
     ids = torch.randint(1, 128, (2, 6), generator=torch.Generator().manual_seed(3))
@@ -65,6 +52,7 @@ def test_sliding_layers_can_be_offloaded_too(engine):
     assert torch.equal(got, want)
 
 
+@both_backends
 def test_layer_kinds_and_seq_length(engine):
     model = tiny_model("llama")
     cache = offcache.OffloadedKVCache(config=model.config)
@@ -78,6 +66,7 @@ def test_layer_kinds_and_seq_length(engine):
     assert offcache.stats()["pinned_in_use_bytes"] > 0  # the K/V live in the arena
 
 
+@both_backends
 def test_manual_forward_loop_without_config(engine):
     model = tiny_model("llama")
     ids = torch.randint(1, 128, (2, 4), generator=torch.Generator().manual_seed(9))
@@ -93,7 +82,7 @@ def test_manual_forward_loop_without_config(engine):
     assert torch.equal(outs["offcache"], outs["dynamic"])
 
 
-def test_kv_bytes_seed_example_is_exactly_one_gib():
+def test_kv_bytes_of_32_layers_8192_tokens_is_exactly_one_gib():
     assert offcache.kv_bytes(32, 1, 8192, 8, 128, torch.bfloat16) == 1 << 30
     assert offcache.kv_bytes(32, 1, 8192, 8, 128, 2) == 1 << 30
     assert offcache.kv_bytes(32, 1, 16384, 8, 128, "float16") == 2 << 30

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import offcache
+from offcache.bench.models import save_llama
 
 llmcompressor = pytest.importorskip("llmcompressor")
 transformers = pytest.importorskip("transformers")
@@ -22,28 +23,10 @@ VOCAB = 96
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    model = transformers.LlamaForCausalLM(config)
-    model.save_pretrained(path)
-    words = [f"w{i}" for i in range(VOCAB - 4)]
-    vocab = {"<unk>": 0, "<pad>": 1, "<s>": 2, "</s>": 3} | {w: i + 4 for i, w in enumerate(words)}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>", eos_token="</s>"
-    )
-    fast.save_pretrained(path)
-    return path
+    return save_llama(
+        tmp_path_factory.mktemp("tiny-llama"), vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
 
 
 def calibration_set(n=6, length=24):

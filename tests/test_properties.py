@@ -1,21 +1,22 @@
 """Property-based: random operation sequences against a dict model of the cache.
 
-Runs under three engine configurations (tests/conftest.py): the default
-backend, the host backend, and the host backend with a 1 MiB pinned budget
-and slowed copies (spill and race windows). All must agree with the model.
+Runs under every engine configuration of tests/conftest.py (the `engine`
+fixture): the default backend, the host backend, and the host backend with a
+1 MiB pinned budget and slowed copies (spill and race windows). All must agree
+with the model.
 """
 
 import warnings
 
 import pytest
 import torch
-from helpers import Frozen, Pair, assert_same, backend_configs, snapshot
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import offcache
 from offcache import IntermediatesCache
+from tests.helpers import Frozen, Pair, assert_same, snapshot
 
 NAMES = ["h", "mask", "pos", "emb", "out"]
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.bool]
@@ -160,9 +161,8 @@ class CacheMachine(RuleBasedStateMachine):
             offcache.synchronize()
 
 
-@pytest.mark.parametrize("config", backend_configs())
-def test_cache_agrees_with_dict_model(config):
-    machine = type("Machine", (CacheMachine,), {"config": config})
+def test_cache_agrees_with_dict_model(engine):
+    machine = type("Machine", (CacheMachine,), {"config": engine})
     runner = machine.TestCase
     runner.settings = settings(
         max_examples=40,
@@ -170,8 +170,4 @@ def test_cache_agrees_with_dict_model(config):
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )
-    try:
-        runner().runTest()
-    finally:
-        offcache.synchronize()
-        offcache.configure()
+    runner().runTest()

@@ -1,4 +1,4 @@
-"""Section kv (``python -m offcache.bench kv``): seed 004's measurement protocol.
+"""Section kv (``python -m offcache.bench kv``): the measurement protocol for offloaded KV caches.
 
 Held fixed: model, dtype, prompt tokens, max_new_tokens and greedy decoding.
 Compared: DynamicCache, transformers' offloaded cache, offcache.OffloadedKVCache.
@@ -17,25 +17,17 @@ import torch
 
 import offcache
 from offcache.bench.common import Context, median, spread
+from offcache.bench.models import causal_lm
 
 
 def _model(ctx: Context):
-    import transformers
-
-    torch.manual_seed(0)
     if ctx.gpu:  # 8B-like layer shapes, fewer layers, random weights (no download)
-        shape = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
-                     num_hidden_layers=4 if ctx.quick else 8, num_attention_heads=32, num_key_value_heads=8,
-                     max_position_embeddings=65536)  # fmt: skip
-        dtype = torch.bfloat16
-    else:
-        shape = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)  # fmt: skip
-        dtype = torch.float32
-    config = transformers.LlamaConfig(**shape)
-    with torch.device(ctx.device):
-        model = transformers.LlamaForCausalLM(config).to(dtype)
-    return model.eval()
+        return causal_lm("llama", ctx.device, torch.bfloat16, vocab_size=32000, hidden_size=4096,
+                         intermediate_size=14336, num_hidden_layers=4 if ctx.quick else 8, num_attention_heads=32,
+                         num_key_value_heads=8, max_position_embeddings=65536)  # fmt: skip
+    return causal_lm("llama", ctx.device, torch.float32, vocab_size=256, hidden_size=128, intermediate_size=256,
+                     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                     max_position_embeddings=4096)  # fmt: skip
 
 
 class _StepClock:

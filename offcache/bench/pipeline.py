@@ -199,8 +199,6 @@ def run_pinned(ctx: Context, shape: Shape) -> list[dict]:
 def run_timeline(ctx: Context, shape: Shape) -> dict:
     """Copy batches on the D2H and H2D streams and the compute, for a few propagation
     steps of offcache's iter_prefetch, in ms from one origin (events on the GPU)."""
-    from offcache import _C
-
     steps = min(shape.batches, 6)
     dtype = torch.bfloat16 if ctx.gpu else torch.float32
     weight = torch.randn(shape.hidden, shape.hidden, device=ctx.device, dtype=dtype) / shape.hidden**0.5
@@ -210,7 +208,7 @@ def run_timeline(ctx: Context, shape: Shape) -> dict:
     names = ["h0", "attention_mask", "position_ids", "position_embeddings"]
     marks = []
     ctx.sync()
-    _C.trace_start(ctx.device)
+    offcache._engine.trace_start(ctx.device)
     if ctx.gpu:
         origin = torch.cuda.Event(enable_timing=True)
         origin.record()
@@ -229,7 +227,7 @@ def run_timeline(ctx: Context, shape: Shape) -> dict:
         cache.update(b, {"h1": out})
         cache.delete(b, ["h0"])
     ctx.sync()
-    copies = _C.trace_stop()
+    copies = offcache._engine.trace_stop()
     if ctx.gpu:
         compute = [(origin.elapsed_time(s), origin.elapsed_time(e)) for s, e in marks]
     else:

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from offcache import _C
+from offcache import _engine
 from offcache.bench.common import Context, bump_version, gbps, median, spread, timed
 
 CPU = torch.device("cpu")
@@ -65,16 +65,16 @@ def _transfer_at(ctx: Context, size: int) -> list[dict]:
     n = _repeats(ctx, size)
     src = _source(ctx, size)
     host = _host_buffer(ctx, size)
-    stored = _C.store([src], CPU)[0]
+    stored = _engine.store([src], CPU)[0]
     ctx.sync()
 
     def store_once():
         bump_version(src)
-        _C.store([src], CPU)
+        _engine.store([src], CPU)
 
     impls = {
         ("offcache", "store"): store_once,
-        ("offcache", "fetch"): lambda: _C.fetch([stored], ctx.device, True),
+        ("offcache", "fetch"): lambda: _engine.fetch([stored], ctx.device, True),
         ("raw_pinned", "store"): lambda: _raw_copy(ctx, host, src),
         ("raw_pinned", "fetch"): lambda: _raw_copy(ctx, src, host),
         ("pageable_to", "store"): lambda: src.to(CPU, copy=True),
@@ -95,20 +95,20 @@ def run_overlap(ctx: Context) -> list[dict]:
     size = (1 << 20) if ctx.tiny else ((64 << 20) if (ctx.quick or not ctx.gpu) else (256 << 20))
     n = 3 if ctx.tiny else 5
     a = _source(ctx, size)
-    stored = _C.store([_source(ctx, size)], CPU)[0]
+    stored = _engine.store([_source(ctx, size)], CPU)[0]
     ctx.sync()
 
     def d2h():
         bump_version(a)
-        _C.store([a], CPU)
+        _engine.store([a], CPU)
 
     def h2d():
-        _C.fetch([stored], ctx.device, False)
+        _engine.fetch([stored], ctx.device, False)
 
     def both():
         bump_version(a)
-        _C.fetch([stored], ctx.device, False)
-        _C.store([a], CPU)
+        _engine.fetch([stored], ctx.device, False)
+        _engine.store([a], CPU)
 
     t_d2h, t_h2d, t_both = (median(timed(ctx, f, n)) for f in (d2h, h2d, both))
     one_way = max(gbps(size, t_d2h), gbps(size, t_h2d))
@@ -132,7 +132,7 @@ def run_overlap(ctx: Context) -> list[dict]:
         return y
 
     def compute_and_fetch():
-        _, ticket = _C.fetch([stored], ctx.device, False)
+        _, ticket = _engine.fetch([stored], ctx.device, False)
         compute()
         ticket.wait()
 
@@ -164,14 +164,14 @@ def run_small(ctx: Context) -> list[dict]:
     n = 3 if ctx.tiny else 10
     values = [_source(ctx, size) for _ in range(count)]
     hosts = [_host_buffer(ctx, size) for _ in range(count)]
-    stored = _C.store(values, CPU)
+    stored = _engine.store(values, CPU)
     ctx.sync()
 
     def store_all():
-        _C.store(values, CPU)
+        _engine.store(values, CPU)
 
     def fetch_all():
-        _C.fetch(stored, ctx.device, True)
+        _engine.fetch(stored, ctx.device, True)
 
     def raw_store():
         for h, v in zip(hosts, values):
