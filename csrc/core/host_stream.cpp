@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <new>
 #include <vector>
 
 namespace offcache {
@@ -132,6 +133,10 @@ void HostStream::after_fork_child() {
     // The worker thread does not exist in the child: forget its handle (it
     // cannot be joined) and let the next submit start a new one.
     (void)s->worker_.release();
+    // The condition variables may record the parent worker as a waiter, and
+    // signalling one would then wait for it forever: start them afresh.
+    new (&s->cv_) std::condition_variable();
+    new (&s->idle_cv_) std::condition_variable();
     if (!s->tasks_.empty()) s->start_worker_locked();
     s->mu_.unlock();
   }
