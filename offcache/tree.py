@@ -3,11 +3,18 @@
 Tensors may sit at any depth of dataclasses (frozen too), tuples (namedtuples
 stay namedtuples), lists and dicts (dict subclasses such as transformers'
 ModelOutput keep their type). Other leaves are kept as they are.
+
+Containers are taken apart in one place, ``walk``: it gives a container's
+children and a function that builds the same kind of container around new
+children. ``plan`` (value -> tree), ``children`` (tree -> leaves), ``rebuild``
+(tree -> value) and ``count_bytes`` (``IntermediatesCache.size``) all use it.
 """
 
 from __future__ import annotations
 
+import sys
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
@@ -16,6 +23,7 @@ import torch
 from offcache import _engine
 
 Tensor = torch.Tensor
+_CPU = torch.device("cpu")
 _PLAIN_LEAVES = (int, str, float, bool, torch.dtype, torch.device, type(None))
 
 
@@ -52,6 +60,104 @@ def _set_value(self: IntermediateValue, value: Any) -> None:
 IntermediateValue.value = property(_get_value, _set_value)  # type: ignore[assignment]
 
 
+# The container walk -------------------------------------------------------------------------
+
+
+def walk(value: Any) -> tuple[Sequence, Callable[[list], Any]] | None:
+    """The children of a container and a function that builds the same container around new ones.
+
+    None for a leaf (tensor, torch.Size, plain value). The order of the checks is
+    llm-compressor's: tuples and lists, then dicts (a ModelOutput's children are
+    the fields that are set, its dict items), then dataclasses.
+    """
+    cls = value.__class__
+    kind = _KINDS.get(cls)
+    if kind is None:
+        kind = _classify(cls)
+    if kind is _TUPLE:
+        return value, tuple
+    if kind is _LIST:
+        return value, list
+    if kind is _DICT:
+        keys = list(value)
+        return list(value.values()), lambda items: dict(zip(keys, items))
+    if kind is _LEAF:
+        return None
+    if kind is _NAMEDTUPLE:
+        return value, lambda items: cls(*items)
+    if kind is _TUPLE_SUBCLASS:
+        return value, lambda items: _rebuild_tuple(cls, items)
+    if kind is _DICT_SUBCLASS:
+        keys = list(value)
+        return list(value.values()), lambda items: _rebuild_dict(cls, dict(zip(keys, items)))
+    if kind is _MODEL_OUTPUT:  # the fields that are set (its dict items), built as keywords
+        keys = list(value)
+        return list(value.values()), lambda items: _rebuild_dataclass(cls, dict(zip(keys, items)))
+    names = kind  # a dataclass: its field names
+    return [getattr(value, n) for n in names], lambda items: _rebuild_dataclass(cls, dict(zip(names, items)))
+
+
+# What walk does with each class, decided once per class.
+_TUPLE, _LIST, _DICT, _LEAF = "tuple", "list", "dict", "leaf"
+_NAMEDTUPLE, _TUPLE_SUBCLASS, _DICT_SUBCLASS, _MODEL_OUTPUT = "namedtuple", "tuple subclass", "dict subclass", "dc+dict"
+_KINDS: dict[type, Any] = {tuple: _TUPLE, list: _LIST, dict: _DICT}
+_DATACLASS_INIT: dict[type, bool] = {}  # a dataclass class -> every field is an __init__ argument
+
+
+def _classify(cls: type) -> Any:
+    if issubclass(cls, torch.Size) or issubclass(cls, Tensor):
+        kind = _LEAF
+    elif issubclass(cls, tuple):
+        kind = _NAMEDTUPLE if hasattr(cls, "_fields") else _TUPLE_SUBCLASS
+    elif issubclass(cls, list):
+        kind = _LIST  # rebuilt as a list, as llm-compressor does
+    elif issubclass(cls, dict):
+        kind = _MODEL_OUTPUT if is_dataclass(cls) else _DICT_SUBCLASS
+    elif is_dataclass(cls):
+        kind = tuple(f.name for f in fields(cls))
+    else:
+        kind = _LEAF
+    if is_dataclass(cls):
+        _DATACLASS_INIT[cls] = all(f.init for f in fields(cls))
+    _KINDS[cls] = kind
+    return kind
+
+
+def _rebuild_tuple(cls: type, items: list) -> tuple:
+    try:
+        return cls(items)
+    except Exception:
+        return tuple(items)
+
+
+def _rebuild_dict(cls: type, items: dict) -> dict:
+    try:
+        return cls(items)
+    except Exception:  # e.g. defaultdict needs its factory
+        return items
+
+
+def _rebuild_dataclass(cls: type, values: dict[str, Any]) -> Any:
+    """A `cls` holding `values` (by field name; missing fields are None)."""
+    if _DATACLASS_INIT[cls]:
+        try:
+            return cls(**values)
+        except Exception:  # a __post_init__ that rejects placeholders: build without __init__
+            pass
+    obj = object.__new__(cls)
+    if isinstance(obj, dict):
+        dict.__init__(obj)
+    for f in fields(cls):
+        v = values.get(f.name)
+        object.__setattr__(obj, f.name, v)
+        if isinstance(obj, dict) and v is not None:
+            dict.__setitem__(obj, f.name, v)
+    return obj
+
+
+# value -> tree -> value ---------------------------------------------------------------------
+
+
 def check_tensor(t: Tensor, where: str) -> None:
     """Raise a clear error for tensors the cache cannot hold, naming where they were."""
     if t.layout is not torch.strided:
@@ -75,22 +181,23 @@ def plan(value: Any, onload: torch.device | None, leaves: list, where: str) -> I
         leaf = IntermediateValue(value, onload if onload is not None else value.device)
         leaves.append(leaf)
         return leaf
-    if is_dataclass(value) and not isinstance(value, type):
-        return IntermediateValue(
-            _rebuild_dataclass(value, [plan(getattr(value, f.name), onload, leaves, where) for f in fields(value)]),
-            None,
-        )
-    if isinstance(value, tuple) and not isinstance(value, torch.Size):
-        items = [plan(v, onload, leaves, where) for v in value]
-        return IntermediateValue(_rebuild_tuple(value, items), None)
-    if isinstance(value, list):
-        return IntermediateValue([plan(v, onload, leaves, where) for v in value], None)
-    if isinstance(value, dict):
-        items = {k: plan(v, onload, leaves, where) for k, v in value.items()}
-        return IntermediateValue(_rebuild_dict(value, items), None)
-    if not isinstance(value, _PLAIN_LEAVES + (torch.Size,)):
-        warnings.warn(f"Offloading not implemented for type {type(value)}.", stacklevel=4)
-    return IntermediateValue(value, None)
+    walked = walk(value)
+    if walked is None:
+        if not isinstance(value, _PLAIN_LEAVES + (torch.Size,)):
+            warnings.warn(f"Offloading not implemented for type {type(value)}.", stacklevel=4)
+        return IntermediateValue(value, None)
+    items, build = walked
+    return IntermediateValue(build([plan(v, onload, leaves, where) for v in items]), None)
+
+
+def children(value: Any) -> list[IntermediateValue]:
+    """The IntermediateValues directly inside a container value, in rebuild order."""
+    if isinstance(value, IntermediateValue):
+        return [value]
+    walked = walk(value)
+    if walked is None:
+        return []
+    return [v for v in walked[0] if isinstance(v, IntermediateValue)]
 
 
 def collect(iv: IntermediateValue, sources: list, devices: list) -> None:
@@ -100,23 +207,8 @@ def collect(iv: IntermediateValue, sources: list, devices: list) -> None:
         sources.append(value)
         devices.append(iv.device)
     else:
-        for child in _children(value):
+        for child in children(value):
             collect(child, sources, devices)
-
-
-def _children(value: Any) -> list[IntermediateValue]:
-    """The IntermediateValues directly inside a container value, in rebuild order."""
-    if isinstance(value, (list, tuple)):  # before dataclasses: the common case
-        items = value
-    elif isinstance(value, IntermediateValue):
-        items = (value,)
-    elif is_dataclass(value) and not isinstance(value, type):  # before dict: ModelOutput is both
-        items = [getattr(value, f.name) for f in fields(value)]
-    elif isinstance(value, dict):
-        items = value.values()
-    else:
-        return []
-    return [v for v in items if isinstance(v, IntermediateValue)]
 
 
 def rebuild(iv: IntermediateValue, fetched) -> Any:
@@ -124,65 +216,43 @@ def rebuild(iv: IntermediateValue, fetched) -> Any:
     value = iv._value
     if isinstance(value, Tensor):
         return next(fetched)
-    if isinstance(value, tuple):  # before dataclasses: the common case
-        return _rebuild_tuple(value, [_rebuild_item(v, fetched) for v in value])
-    if isinstance(value, list):
-        return [_rebuild_item(v, fetched) for v in value]
     if isinstance(value, IntermediateValue):
         return rebuild(value, fetched)
-    if is_dataclass(value) and not isinstance(value, type):
-        return _rebuild_dataclass(value, [_rebuild_item(getattr(value, f.name), fetched) for f in fields(value)])
-    if isinstance(value, dict):
-        return _rebuild_dict(value, {k: _rebuild_item(v, fetched) for k, v in value.items()})
-    return value
-
-
-def _rebuild_item(v: Any, fetched) -> Any:
-    return rebuild(v, fetched) if isinstance(v, IntermediateValue) else v
+    walked = walk(value)
+    if walked is None:
+        return value
+    items, build = walked
+    return build([rebuild(v, fetched) if isinstance(v, IntermediateValue) else v for v in items])
 
 
 def tensor_leaves(iv: IntermediateValue) -> list[IntermediateValue]:
     """Every IntermediateValue of `iv` whose value is a tensor."""
     if isinstance(iv._value, Tensor):
         return [iv]
-    return [leaf for child in _children(iv._value) for leaf in tensor_leaves(child)]
+    return [leaf for child in children(iv._value) for leaf in tensor_leaves(child)]
 
 
-def _rebuild_dataclass(like: Any, values: list) -> Any:
-    cls = type(like)
-    fs = fields(like)
-    if all(f.init for f in fs):
-        try:
-            return cls(**{f.name: v for f, v in zip(fs, values)})
-        except Exception:  # a __post_init__ that rejects placeholders: build without __init__
-            pass
-    obj = object.__new__(cls)
-    if isinstance(obj, dict):
-        dict.__init__(obj)
-    for f, v in zip(fs, values):
-        object.__setattr__(obj, f.name, v)
-        if isinstance(obj, dict) and v is not None:
-            dict.__setitem__(obj, f.name, v)
-    return obj
+def count_bytes(value: Any, sizes: dict, memo: set) -> None:
+    """Add the bytes of `value` (an IntermediateValue tree) to `sizes`, as llm-compressor's ``size()`` counts.
 
-
-def _rebuild_tuple(like: tuple, items: list) -> tuple:
-    cls = type(like)
-    if cls is tuple:
-        return tuple(items)
-    if hasattr(cls, "_fields"):  # namedtuple
-        return cls(*items)
-    try:
-        return cls(items)
-    except Exception:
-        return tuple(items)
-
-
-def _rebuild_dict(like: dict, items: dict) -> dict:
-    cls = type(like)
-    if cls is dict:
-        return items
-    try:
-        return cls(items)
-    except Exception:  # e.g. defaultdict needs its factory
-        return items
+    Tensors by nbytes on their device, once each (`memo` holds the ids seen);
+    other leaves by ``sys.getsizeof(value, 0)`` on the CPU. llm-compressor
+    stores a torch.Size as a tuple of ints and a ModelOutput as a dict of the
+    fields that are set, and counts them so.
+    """
+    while isinstance(value, IntermediateValue):
+        value = value._value
+    if isinstance(value, Tensor):
+        if id(value) not in memo:
+            memo.add(id(value))
+            sizes[value.device] += value.nbytes
+        return
+    walked = walk(value)
+    if walked is not None:
+        for child in walked[0]:
+            count_bytes(child, sizes, memo)
+    elif isinstance(value, torch.Size):
+        for n in value:
+            sizes[_CPU] += sys.getsizeof(n, 0)
+    else:
+        sizes[_CPU] += sys.getsizeof(value, 0)

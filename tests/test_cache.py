@@ -82,7 +82,8 @@ def test_bad_batch_index_names_the_number_of_batches():
         cache.fetch("0")
 
 
-@pytest.mark.parametrize("bad", ["gpu", "cuda:99", "tpu:0", 3.5, "meta"])
+# ids: a parameter id "gpu" would put the test under conftest's GPU skip.
+@pytest.mark.parametrize("bad", ["gpu", "cuda:99", "tpu:0", 3.5, "meta"], ids=lambda b: f"bad={b!r}")
 def test_invalid_offload_device_is_rejected_at_construction(bad):
     with pytest.raises(ValueError, match="offload_device"):
         IntermediatesCache.empty(1, bad)
@@ -247,4 +248,42 @@ def test_same_results_and_sizes_as_llmcompressor():
             assert_same(a, b)
         for a, b in zip(ours.iter_prefetch(names), theirs.iter_prefetch(names)):
             assert_same(a, b)
+    assert ours.size() == theirs.size()
+
+
+# size() ---------------------------------------------------------------------------------------
+
+
+def size_cases():
+    modeling_outputs = pytest.importorskip("transformers.modeling_outputs")
+    shared = torch.randn(5)
+    return {
+        "torch.Size": torch.Size([2, 3]),
+        "empty torch.Size": torch.Size([]),
+        "sizes in a tuple": (torch.Size([4]), torch.Size([1, 1])),
+        "ModelOutput with None fields": modeling_outputs.BaseModelOutputWithPast(last_hidden_state=torch.randn(1, 4)),
+        "ModelOutput, first field None": modeling_outputs.CausalLMOutputWithPast(
+            logits=torch.randn(1, 2), hidden_states=(shared, shared)
+        ),
+        "dataclasses": Outer(inner=Frozen(shared, extra=None), items=[shared * 2, (shared, None)], scale=0.5),
+        "nested tuples": ((torch.randn(2), (1, "s")), [None, 2.5], ()),
+        "namedtuple": Pair(torch.randn(3), None),
+        "plain leaves": (7, "text", 1.5, True, None, torch.float16, torch.device("cpu")),
+        "dict": {"a": shared, "b": {"c": 3}},
+        "shared tensor": shared,
+    }
+
+
+@needs_llmc
+def test_size_matches_llmcompressor_value_by_value_and_together():
+    cases = size_cases()
+    for name, value in cases.items():
+        ours, theirs = IntermediatesCache.empty(1, "cpu"), LCCache.empty(1, "cpu")
+        ours.update(0, {name: value})
+        theirs.update(0, {name: value})
+        assert ours.size() == theirs.size(), name
+    ours, theirs = IntermediatesCache.empty(2, "cpu"), LCCache.empty(2, "cpu")
+    for i in range(2):
+        ours.update(i, cases)
+        theirs.update(i, cases)
     assert ours.size() == theirs.size()
