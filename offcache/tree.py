@@ -8,6 +8,12 @@ Containers are taken apart in one place, ``walk``: it gives a container's
 children and a function that builds the same kind of container around new
 children. ``plan`` (value -> tree), ``children`` (tree -> leaves), ``rebuild``
 (tree -> value) and ``count_bytes`` (``IntermediatesCache.size``) all use it.
+
+Tensor subclasses: a traceable wrapper subclass (one with ``__tensor_flatten__``,
+such as DTensor) is stored as its inner tensors and rebuilt with
+``__tensor_unflatten__``; a subclass that keeps its data in its own storage and
+does not override ``__torch_dispatch__`` (``torch.nn.Parameter``) is stored as
+its data and rebuilt with ``as_subclass``. Other subclasses are refused.
 """
 
 from __future__ import annotations
@@ -19,12 +25,14 @@ from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from offcache import _engine
 
 Tensor = torch.Tensor
 _CPU = torch.device("cpu")
 _PLAIN_LEAVES = (int, str, float, bool, torch.dtype, torch.device, type(None))
+_NO_DISPATCH = torch._C._disabled_torch_dispatch_impl  # what a subclass that keeps torch's dispatch has
 
 
 @dataclass
@@ -60,6 +68,40 @@ def _set_value(self: IntermediateValue, value: Any) -> None:
 IntermediateValue.value = property(_get_value, _set_value)  # type: ignore[assignment]
 
 
+# Tensor subclasses ------------------------------------------------------------------------
+
+
+@dataclass
+class WrapperSubclass:
+    """A traceable wrapper subclass, stored as its inner tensors (``__tensor_flatten__``)."""
+
+    cls: type
+    inner: dict[str, IntermediateValue]
+    ctx: Any
+    size: torch.Size
+    stride: tuple[int, ...]
+
+    def build(self, items: list) -> Tensor:
+        return self.cls.__tensor_unflatten__(dict(zip(self.inner, items)), self.ctx, self.size, self.stride)
+
+
+@dataclass
+class PlainSubclass:
+    """A subclass with its own storage and torch's dispatch (e.g. Parameter), stored as its data."""
+
+    cls: type
+    inner: dict[str, IntermediateValue]  # {"data": the tensor}
+    attrs: dict[str, Any]  # the instance's __dict__, copied shallowly
+
+    def build(self, items: list) -> Tensor:
+        (t,) = items
+        if type(t) is self.cls:  # not moved (offload_device=None): the original object
+            return t
+        out = t.as_subclass(self.cls)
+        out.__dict__.update(self.attrs)
+        return out
+
+
 # The container walk -------------------------------------------------------------------------
 
 
@@ -83,6 +125,8 @@ def walk(value: Any) -> tuple[Sequence, Callable[[list], Any]] | None:
         return list(value.values()), lambda items: dict(zip(keys, items))
     if kind is _LEAF:
         return None
+    if kind is _NODE:
+        return list(value.inner.values()), value.build
     if kind is _NAMEDTUPLE:
         return value, lambda items: cls(*items)
     if kind is _TUPLE_SUBCLASS:
@@ -98,9 +142,9 @@ def walk(value: Any) -> tuple[Sequence, Callable[[list], Any]] | None:
 
 
 # What walk does with each class, decided once per class.
-_TUPLE, _LIST, _DICT, _LEAF = "tuple", "list", "dict", "leaf"
+_TUPLE, _LIST, _DICT, _LEAF, _NODE = "tuple", "list", "dict", "leaf", "node"
 _NAMEDTUPLE, _TUPLE_SUBCLASS, _DICT_SUBCLASS, _MODEL_OUTPUT = "namedtuple", "tuple subclass", "dict subclass", "dc+dict"
-_KINDS: dict[type, Any] = {tuple: _TUPLE, list: _LIST, dict: _DICT}
+_KINDS: dict[type, Any] = {tuple: _TUPLE, list: _LIST, dict: _DICT, WrapperSubclass: _NODE, PlainSubclass: _NODE}
 _DATACLASS_INIT: dict[type, bool] = {}  # a dataclass class -> every field is an __init__ argument
 
 
@@ -159,9 +203,33 @@ def _rebuild_dataclass(cls: type, values: dict[str, Any]) -> Any:
 
 
 def check_tensor(t: Tensor, where: str) -> None:
-    """Raise a clear error for tensors the cache cannot hold, naming where they were."""
+    """Raise a clear error for a tensor the cache cannot hold, naming where it was.
+
+    The engine's ``check_storable`` (csrc/engine_detail.h) holds the same rules,
+    worded the same after the ``where`` prefix. On every stored tensor: the
+    common case costs a few attribute reads.
+    """
+    if t.layout is not torch.strided or t.is_quantized or t.is_nested or t.is_meta:
+        _check_kind(t, where)
+    have = t.untyped_storage().nbytes()
+    offset = t.storage_offset()
+    if not (t.is_contiguous() and have >= t.nbytes + (offset * t.element_size() if offset else 0)) and t.numel():
+        extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        need = (offset + extent) * t.element_size()
+        if have < need:
+            raise ValueError(
+                f"{where}: cannot cache a tensor whose storage holds {have} bytes but the tensor needs {need}: "
+                "was its storage freed or resized?"
+            )
+
+
+def _check_kind(t: Tensor, where: str) -> None:
+    """The errors for what is not a dense tensor with data."""
     if t.layout is not torch.strided:
-        raise TypeError(f"{where}: cannot cache a tensor with layout {t.layout}; densify it first")
+        raise TypeError(
+            f"{where}: cannot cache a tensor with layout {t.layout}; only strided (dense) tensors can be cached: "
+            "densify it first"
+        )
     if t.is_quantized:
         raise TypeError(f"{where}: cannot cache a quantized tensor (dtype {t.dtype}); dequantize it first")
     if t.is_nested:
@@ -174,13 +242,15 @@ def plan(value: Any, onload: torch.device | None, leaves: list, where: str) -> I
     """IntermediateValue tree for `value`; tensor leaves are appended to `leaves`.
 
     Each appended leaf still holds the source tensor; the caller replaces
-    `_value` with the stored copy.
+    `_value` with the stored copy. Every check runs here, before anything is stored.
     """
-    if isinstance(value, Tensor):
+    if value.__class__ is Tensor:
         check_tensor(value, where)
         leaf = IntermediateValue(value, onload if onload is not None else value.device)
         leaves.append(leaf)
         return leaf
+    if isinstance(value, Tensor):
+        return IntermediateValue(_plan_subclass(value, onload, leaves, where), None)
     walked = walk(value)
     if walked is None:
         if not isinstance(value, _PLAIN_LEAVES + (torch.Size,)):
@@ -188,6 +258,31 @@ def plan(value: Any, onload: torch.device | None, leaves: list, where: str) -> I
         return IntermediateValue(value, None)
     items, build = walked
     return IntermediateValue(build([plan(v, onload, leaves, where) for v in items]), None)
+
+
+def _plan_subclass(t: Tensor, onload, leaves: list, where: str) -> WrapperSubclass | PlainSubclass:
+    cls = type(t)
+    if is_traceable_wrapper_subclass(t):
+        _check_kind(t, where)  # its inner tensors get every check
+        names, ctx = t.__tensor_flatten__()
+        inner = {name: plan(getattr(t, name), onload, leaves, f"{where} ({cls.__name__}.{name})") for name in names}
+        return WrapperSubclass(cls, inner, ctx, t.size(), t.stride())
+    if getattr(cls, "__torch_dispatch__", _NO_DISPATCH) is not _NO_DISPATCH:
+        raise TypeError(
+            f"{where}: cannot cache a tensor of subclass {cls.__module__}.{cls.__qualname__}: it overrides "
+            "__torch_dispatch__ without __tensor_flatten__/__tensor_unflatten__, so its data cannot be reached"
+        )
+    try:
+        t.untyped_storage().data_ptr()
+    except RuntimeError:  # a wrapper made with _make_wrapper_subclass: no data of its own
+        raise TypeError(
+            f"{where}: cannot cache a tensor of subclass {cls.__module__}.{cls.__qualname__}: it has no storage "
+            "of its own and is not traceable (__tensor_flatten__/__tensor_unflatten__)"
+        ) from None
+    check_tensor(t, where)
+    leaf = IntermediateValue(t, onload if onload is not None else t.device)
+    leaves.append(leaf)
+    return PlainSubclass(cls, {"data": leaf}, dict(getattr(t, "__dict__", {})))
 
 
 def children(value: Any) -> list[IntermediateValue]:
@@ -238,7 +333,8 @@ def count_bytes(value: Any, sizes: dict, memo: set) -> None:
     Tensors by nbytes on their device, once each (`memo` holds the ids seen);
     other leaves by ``sys.getsizeof(value, 0)`` on the CPU. llm-compressor
     stores a torch.Size as a tuple of ints and a ModelOutput as a dict of the
-    fields that are set, and counts them so.
+    fields that are set, and counts them so. A tensor subclass counts the
+    tensors it is stored as.
     """
     while isinstance(value, IntermediateValue):
         value = value._value
