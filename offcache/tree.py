@@ -18,6 +18,7 @@ its data and rebuilt with ``as_subclass``. Other subclasses are refused.
 
 from __future__ import annotations
 
+import copy
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -44,13 +45,47 @@ class IntermediateValue:
 
     Stores are asynchronous: reading ``.value`` waits, once, for the copy that
     fills it. The cache itself reads ``_value``, since its fetches are ordered
-    after the store by events.
+    after the store by events. Copies (``copy.deepcopy``, ``pickle``) read
+    ``.value`` too, so they hold the stored values; a copied offloaded tensor is
+    stored again, in the arena of the process's engine.
     """
 
     value: torch.Tensor | IntermediateValue | Any
     device: torch.device | None
 
     _pending = False  # a store into `_value` may still be in flight
+
+    def __copy__(self) -> IntermediateValue:
+        out = type(self).__new__(type(self))
+        out.__dict__.update(self.__dict__)
+        return out
+
+    def __deepcopy__(self, memo: dict) -> IntermediateValue:
+        value = self.value  # waits for a pending store
+        out = type(self).__new__(type(self))
+        memo[id(self)] = out
+        out.device = copy.deepcopy(self.device, memo)
+        if _is_offloaded(value):
+            # One engine copy (arena to arena), shared by every leaf that shared the value.
+            if id(value) not in memo:
+                memo[id(value)] = _engine.store([value], _CPU)[0]
+                _engine.warn_if_spilled()
+            out._value, out._pending = memo[id(value)], True
+        else:
+            out._value = copy.deepcopy(value, memo)
+        return out
+
+    def __getstate__(self) -> dict:
+        value = self.value  # waits for a pending store
+        return {"value": value, "device": self.device, "offloaded": _is_offloaded(value)}
+
+    def __setstate__(self, state: dict) -> None:
+        self.device = state["device"]
+        self._value = state["value"]
+        if state.get("offloaded"):  # back into the arena of this process's engine
+            self._value = _engine.store([self._value], _CPU)[0]
+            self._pending = True
+            _engine.warn_if_spilled()
 
 
 def _get_value(self: IntermediateValue) -> Any:
@@ -66,6 +101,10 @@ def _set_value(self: IntermediateValue, value: Any) -> None:
 
 
 IntermediateValue.value = property(_get_value, _set_value)  # type: ignore[assignment]
+
+
+def _is_offloaded(value: Any) -> bool:
+    return isinstance(value, Tensor) and value.device.type == "cpu" and _engine.is_offcache_tensor(value)
 
 
 # Tensor subclasses ------------------------------------------------------------------------

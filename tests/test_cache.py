@@ -1,5 +1,7 @@
-"""IntermediatesCache: llm-compressor's API and semantics, nested values, prefetch."""
+"""IntermediatesCache: llm-compressor's API and semantics, nested values, prefetch, copies."""
 
+import copy
+import pickle
 import sys
 import warnings
 
@@ -397,3 +399,77 @@ def test_untraceable_subclasses_and_freed_storages_are_refused_before_anything_i
     empty.untyped_storage().resize_(0)
     cache.update(0, {"e": empty})  # zero-size: nothing to read
     assert cache.fetch(0)["e"].shape == (0,)
+
+
+# Copies of a cache -------------------------------------------------------------------------------
+
+
+def copy_of(cache, how):
+    return copy.deepcopy(cache) if how == "deepcopy" else pickle.loads(pickle.dumps(cache))
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copies_hold_the_stored_values_even_while_stores_are_in_flight(host_engine, how):
+    host_engine(backend="host", host_copy_delay_us=2000)  # copied while the stores still run
+    shared = torch.randn(64)
+    values = [{**batch_values(i), "shared": shared, "out": Outer(Frozen(shared), [shared], 2.0)} for i in range(3)]
+    cache = IntermediatesCache.empty(3, "cpu")
+    for i, v in enumerate(values):
+        cache.update(i, v)
+    dup = copy_of(cache, how)
+    for i, v in enumerate(values):
+        assert_same(dup.fetch(i), v)
+    ours = dup.batch_intermediates[0]["hidden_states"].value
+    assert _engine.is_offcache_tensor(ours)  # stored again, in the arena
+    assert ours.data_ptr() != cache.batch_intermediates[0]["hidden_states"].value.data_ptr()
+    leaves = [dup.batch_intermediates[i]["shared"]._value for i in range(3)]
+    assert all(t is leaves[0] for t in leaves)  # still shared, so still counted once
+    assert dup.size() == cache.size()
+    dup.delete(0)
+    dup.batch_intermediates[1]["hidden_states"].value.zero_()
+    assert_same(cache.fetch(0), values[0])
+    assert_same(cache.fetch(1), values[1])
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copies_of_subclasses_model_outputs_and_unmoved_values(how):
+    modeling_outputs = pytest.importorskip("transformers.modeling_outputs")
+    TwoTensor = two_tensor_cls()
+    values = {
+        "tt": TwoTensor(torch.randn(BIG), torch.randn(BIG)),
+        "p": torch.nn.Parameter(torch.randn(3)),
+        "mo": modeling_outputs.BaseModelOutputWithPast(last_hidden_state=torch.randn(1, 4)),
+        "size": torch.Size([2]),
+    }
+    cache = IntermediatesCache.empty(1, "cpu")
+    cache.update(0, values)
+    got = copy_of(cache, how).fetch(0)
+    assert type(got["tt"]) is TwoTensor and torch.equal(got["tt"].b, values["tt"].b)
+    assert type(got["p"]) is torch.nn.Parameter and torch.equal(got["p"].detach(), values["p"].detach())
+    assert type(got["mo"]) is type(values["mo"]) and list(got["mo"].keys()) == ["last_hidden_state"]
+    assert got["size"] == torch.Size([2])
+    kept = IntermediatesCache.empty(1, None)
+    x = torch.randn(3)
+    kept.update(0, {"x": x})
+    y = copy_of(kept, how).fetch(0)["x"]
+    assert y is not x and torch.equal(y, x) and not _engine.is_offcache_tensor(y)
+
+
+def test_intermediate_value_copies():
+    iv = IntermediatesCache._offload_value((torch.randn(3), 2), torch.device("cpu"))
+    shallow = copy.copy(iv)
+    assert shallow is not iv and shallow._value is iv._value
+    deep = copy.deepcopy(iv)
+    assert deep._value is not iv._value and deep._value[0].value is not iv._value[0].value
+    assert_same(IntermediatesCache._onload_value(deep), IntermediatesCache._onload_value(iv))
+
+
+def test_edits_of_fetched_tensors_do_not_reach_the_cache():
+    values = batch_values(0)
+    cache = IntermediatesCache.empty(1, "cpu")
+    cache.update(0, values)
+    got = cache.fetch(0)
+    got["hidden_states"].add_(1)
+    got["position_embeddings"][0].zero_()
+    got["attention_mask"].logical_not_()
+    assert_same(cache.fetch(0), values)
