@@ -11,7 +11,7 @@ import torch
 import offcache
 from offcache import IntermediatesCache, IntermediateValue, _engine
 from offcache.tree import tensor_leaves
-from tests.helpers import Frozen, OrderedDict, Outer, Pair, assert_same
+from tests.helpers import Frozen, OrderedDict, Outer, Pair, assert_same, snapshot
 
 try:
     from llmcompressor.pipelines.cache import IntermediatesCache as LCCache
@@ -473,3 +473,51 @@ def test_edits_of_fetched_tensors_do_not_reach_the_cache():
     got["position_embeddings"][0].zero_()
     got["attention_mask"].logical_not_()
     assert_same(cache.fetch(0), values)
+
+
+# The snapshot contract (engine rewrite) -------------------------------------------------------------
+
+
+@needs_snapshot_engine
+def test_edits_right_after_update_do_not_change_what_is_fetched(host_engine):
+    host_engine(backend="host", host_copy_delay_us=2000)
+    x, y = torch.zeros(4096), torch.zeros(BIG)
+    cache = IntermediatesCache.empty(1, "cpu")
+    cache.update(0, {"x": x, "t": (y,)})
+    x.fill_(1.0)  # no synchronize(): the store is a snapshot taken at the call
+    y.fill_(1.0)
+    got = cache.fetch(0)
+    assert torch.equal(got["x"], torch.zeros(4096)) and torch.equal(got["t"][0], torch.zeros(BIG))
+    assert torch.equal(cache.batch_intermediates[0]["x"].value, torch.zeros(4096))
+
+
+@needs_snapshot_engine
+def test_conj_and_neg_views_are_stored_as_the_values_they_show():
+    z = torch.randn(5, dtype=torch.complex64)
+    values = {"conj": z.conj(), "neg": torch._neg_view(torch.randn(5)), "both": (torch._neg_view(z.conj()),)}
+    want = snapshot(values)
+    cache = IntermediatesCache.empty(1, "cpu")
+    cache.update(0, values)
+    assert_same(cache.fetch(0), want)
+
+
+@needs_snapshot_engine
+def test_channels_last_tensors_keep_their_strides():
+    x = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    cache = IntermediatesCache.empty(1, "cpu")
+    cache.update(0, {"x": x})
+    got = cache.fetch(0)["x"]
+    assert torch.equal(got, x) and got.stride() == x.stride()
+
+
+@needs_snapshot_engine
+def test_data_swap_is_not_served_from_the_dedup_table():
+    # `x.data = other` keeps x's identity and version counter but swaps its storage.
+    x = torch.zeros(8)
+    cache = IntermediatesCache.empty(2, "cpu")
+    cache.update(0, {"x": x})
+    offcache.synchronize()
+    x.data = torch.ones(3, dtype=torch.float64)
+    cache.update(1, {"x": x})
+    assert torch.equal(cache.fetch(0)["x"], torch.zeros(8))
+    assert_same(cache.fetch(1)["x"], torch.ones(3, dtype=torch.float64))
