@@ -8,17 +8,15 @@ engine's H2D stream instead of a Python thread.
 
 from __future__ import annotations
 
-import sys
 from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import fields, is_dataclass
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from offcache import _engine
-from offcache.tree import IntermediateValue, collect, plan, rebuild, tensor_leaves
+from offcache.tree import IntermediateValue, collect, count_bytes, plan, rebuild, tensor_leaves
 
 __all__ = ["IntermediateValue", "IntermediatesCache"]
 
@@ -121,31 +119,16 @@ class IntermediatesCache:
         self.update(len(self.batch_intermediates) - 1, values)
 
     def size(self) -> dict[torch.device, int]:
-        """Bytes held per device, counting a shared tensor once (llm-compressor's accounting)."""
+        """Bytes held per device, counted as llm-compressor 0.14.0.1 counts them.
+
+        A tensor shared by several values counts once; other leaves count
+        ``sys.getsizeof`` on the CPU (see ``offcache.tree.count_bytes``).
+        """
         sizes: dict[torch.device, int] = defaultdict(int)
         memo: set[int] = set()
-
-        def visit(iv: IntermediateValue) -> None:
-            value = iv._value
-            if isinstance(value, Tensor):
-                if id(value) not in memo:
-                    memo.add(id(value))
-                    sizes[value.device] += value.nbytes
-            elif isinstance(value, (list, tuple)):
-                for v in value:
-                    visit(v)
-            elif isinstance(value, dict):
-                for v in value.values():
-                    visit(v)
-            elif is_dataclass(value) and not isinstance(value, type):
-                for f in fields(value):
-                    visit(getattr(value, f.name))
-            else:  # plain leaves, as llm-compressor counts them
-                sizes[_CPU] += sys.getsizeof(value, 0)
-
         for batch in self.batch_intermediates:
             for iv in batch.values():
-                visit(iv)
+                count_bytes(iv, sizes, memo)
         return dict(sizes)
 
     def pin_memory(self, batch_index: int, input_names: list[str] | None = None) -> None:

@@ -1,0 +1,98 @@
+"""Types of offcache._C, the compiled engine (csrc/bindings.cpp).
+
+Only offcache/_engine.py imports this module; everything else goes through its wrappers.
+Copies and waits release the GIL.
+"""
+
+from collections.abc import Sequence
+from typing import Literal, TypedDict
+
+import torch
+
+# _Stats and _TraceRow exist in this stub only (the module returns plain dicts).
+
+class _Stats(TypedDict):
+    """The engine's counters (``stats()``): bytes, counts, seconds, and whether the arena is pinned."""
+
+    pinned_reserved_bytes: int
+    pinned_in_use_bytes: int
+    pageable_bytes: int
+    in_flight_bytes: int
+    deferred_bytes: int
+    peak_pinned_reserved_bytes: int
+    peak_pinned_in_use_bytes: int
+    peak_pageable_bytes: int
+    peak_in_flight_bytes: int
+    dedup_hits: int
+    spills: int
+    stores: int
+    fetches: int
+    d2h_bytes: int
+    h2d_bytes: int
+    d2h_copies: int
+    h2d_copies: int
+    d2h_seconds: float
+    h2d_seconds: float
+    pinned_limit_bytes: int
+    dedup_entries: int
+    pinned: bool
+
+class _TraceRow(TypedDict):
+    """One copy batch recorded between ``trace_start`` and ``trace_stop``."""
+
+    stream: Literal["d2h", "h2d"]
+    bytes: int
+    start_ms: float
+    end_ms: float
+
+class Ticket:
+    """A fetch's completion. Made by ``fetch`` only (no constructor)."""
+
+    def wait(self) -> None:
+        """Make the consumer's current stream wait for the fetch's copies; raise if a source was torn."""
+
+    def query(self) -> bool:
+        """True once the fetch's copies have completed."""
+
+def store(values: Sequence[torch.Tensor], device: torch.device, allow_spill: bool = True) -> list[torch.Tensor]:
+    """Copy tensors to `device` (CPU: the pinned arena). Returns the copies in order."""
+
+def fetch(stored: Sequence[torch.Tensor], device: torch.device, wait: bool = True) -> tuple[list[torch.Tensor], Ticket]:
+    """Copy stored tensors to `device`. Returns (tensors, ticket)."""
+
+def synchronize() -> None:
+    """Wait for every copy in flight and return freed blocks to the arena."""
+
+def wait_stored(t: torch.Tensor, /) -> None:
+    """Block until the store that produced `t` has written it."""
+
+def empty_cache() -> int:
+    """synchronize(), then give empty arena chunks back to the OS. Returns the bytes released."""
+
+def trace_start(device: torch.device, /) -> None:
+    """Record copy batches from now on, timed from an event on `device`'s current stream."""
+
+def trace_stop() -> list[_TraceRow]:
+    """The copy batches recorded since trace_start."""
+
+def stats() -> _Stats: ...
+def set_pinned_limit(bytes: int, /) -> None: ...
+def take_spill_notice() -> str:
+    """The engine's pending spill notice ('' when none), cleared by the call."""
+
+def backend_name() -> Literal["cuda", "host"]: ...
+def is_arena_tensor(t: torch.Tensor, /) -> bool: ...
+def is_offcache_tensor(t: torch.Tensor, /) -> bool: ...
+def engine_created() -> bool: ...
+def configure(
+    backend: str,
+    pinned_limit: int,
+    min_chunk: int,
+    max_in_flight: int,
+    host_copy_delay_us: int,
+) -> None:
+    """Replace the process-wide engine (earlier stored tensors keep working)."""
+
+cuda_compiled: bool
+torch_version: str
+cuda_version: str | None
