@@ -6,7 +6,7 @@ GPU-less host every section runs on the host backend and only the ratios
 between implementations measured in the same run mean anything.
 
 Sections: all (transfer, overlap, small, pipeline, kv), transfer, overlap,
-small, pipeline (with pinned and timeline), kv, soak. Each section
+small, pipeline (with pinned and timeline), kv, soak, oneshot. Each section
 merges its results into DIR/results.json, keeping what earlier runs wrote there,
 and records its command, date, device and build under "runs"; the plots are
 redrawn from everything the file holds.
@@ -27,7 +27,7 @@ from offcache.bench.common import Context, device_info, load_results, run_info, 
 from offcache.bench.plots import plot_all
 
 ALL = ("transfer", "overlap", "small", "pipeline", "kv")
-SECTIONS = (*ALL, "soak")
+SECTIONS = (*ALL, "soak", "oneshot")
 # The results.json keys each section writes.
 KEYS = {"pipeline": ("pipeline", "pinned", "timeline")}
 
@@ -79,6 +79,10 @@ def run_section(name: str, ctx: Context, args: argparse.Namespace) -> dict:
         from offcache.bench.soak import run_soak
 
         return {"soak": run_soak(ctx, args.ops)}
+    if name == "oneshot":
+        from offcache.bench.oneshot import run_oneshot
+
+        return {"oneshot": run_oneshot(ctx)}
     raise ValueError(f"unknown section {name!r}")
 
 
@@ -168,6 +172,10 @@ def summary(r: dict, names=SECTIONS) -> str:
         from offcache.bench.soak import describe
 
         lines.append(describe(r["soak"]))
+    if "oneshot" in names and r.get("oneshot"):
+        from offcache.bench.oneshot import describe
+
+        lines.append(describe(r["oneshot"]))
     return "\n".join(lines)
 
 
