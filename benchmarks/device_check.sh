@@ -1,48 +1,260 @@
 #!/usr/bin/env bash
-# The one-call GPU check for a lent machine (H200 image: Python 3.12, torch
-# 2.11+cu130, nvcc 13.0, no package registry). Builds the extension in place,
-# runs the GPU-marked tests and the rest of the suite on the CUDA backend, runs
-# the benchmark and a short soak, copies results to $OUT and prints a summary.
-# Budget: <= 8 minutes. BENCH_ARGS defaults to --quick.
+# The GPU proof in one call, sized for one lease of the H200 (Python 3.12, torch 2.11+cu130,
+# nvcc 13.0, no package registry): done in <= 5 minutes, at most 8 files in $OUT.
+#
+#   OUT=DIR bash benchmarks/device_check.sh            # on the GPU machine (wheels from .whl/)
+#   OUT=DIR bash benchmarks/device_check.sh --dry-run  # here, without a GPU: GPU-only steps
+#                                                      # skipped, the rest at --tiny sizes
+#
+# Steps, each under its own deadline (`timeout`) and all under one budget (DEVCHECK_BUDGET_S,
+# 290 s; each step leaves 10 s for every step after it): a step that overruns is recorded as
+# "timeout" and the next one still runs.
+#   wheels   install the carried .whl/ (scripts/device_wheels.sh) into a folder on PYTHONPATH
+#   build    OFFCACHE_FORCE_CUDA=1 MAX_JOBS=16 setup.py build_ext --inplace
+#   gpu      pytest -m gpu
+#   tests    the rest of the suite (not gpu, not slow) on the CUDA backend; test_bench.py and
+#            test_soak.py are left to the bench, kv and soak steps, which run the same code larger
+#   bench    offcache.bench transfer overlap small pipeline --quick (llm-compressor's cache is
+#            the pipeline baseline, from the wheels)
+#   oneshot  llm-compressor's sequential GPTQ W4A16, its cache vs offcache, prefetch off/on
+#   kv       KV decode: DynamicCache, transformers' offloading, offcache (tokens compared)
+#   soak     30000 store/fetch/delete operations
+# $OUT gets: summary.txt (one line per step: pass/fail/timeout/skip, seconds, headline
+# figures), results.json (every bench section), bandwidth.png, pipeline.png, timeline.png and
+# logs.tar.gz (every step's log, the GPU and package versions).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-start=$(date +%s)
-if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-  echo "device_check: no CUDA GPU is visible here; run this on the lent GPU machine." >&2
+ROOT=$PWD
+DRY=0
+case "${1:-}" in
+  --dry-run) DRY=1 ;;
+  "") ;;
+  *) echo "usage: OUT=DIR bash benchmarks/device_check.sh [--dry-run]" >&2 && exit 2 ;;
+esac
+
+T0=$(date +%s)
+BUDGET=${DEVCHECK_BUDGET_S:-290}
+RESERVE=10 # seconds kept for each step still to come, so that one slow step cannot starve them all
+OUT=${OUT:-$ROOT/device-check-out}
+mkdir -p "$OUT"
+WORK=$(mktemp -d /tmp/devcheck.XXXXXX)
+LOGS=$WORK/logs
+BENCH=$WORK/bench
+mkdir -p "$LOGS" "$BENCH"
+SUMMARY=$WORK/summary.txt
+# Named site-packages on purpose: dill, with which datasets fingerprints a dataset, treats
+# modules outside the interpreter's prefix whose path lacks "site-packages" as user code and
+# pickles them by value (seen failing on pyarrow's types when pyarrow sat in such a folder).
+SITE=$WORK/site-packages
+export PYTHONUNBUFFERED=1 MPLBACKEND=Agg TQDM_DISABLE=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+if [ "$DRY" = 1 ]; then
+  PY=${PYTHON:-$([ -x .venv/bin/python ] && echo "$ROOT/.venv/bin/python" || echo python3)}
+  SIZE=--tiny
+else
+  PY=${PYTHON:-python3}
+  SIZE=--quick
+  export OFFCACHE_EXPECT_CUDA=1 # test_build_info: the CUDA path must be compiled
+fi
+
+finish() {
+  {
+    echo "total $(($(date +%s) - T0)) s of a ${BUDGET} s budget; $(date -u +%FT%TZ)"
+    echo "files: summary.txt results.json bandwidth.png pipeline.png timeline.png logs.tar.gz (logs: one per step)"
+  } >>"$SUMMARY"
+  cp "$SUMMARY" "$OUT/summary.txt"
+  [ -f "$BENCH/results.json" ] && cp "$BENCH/results.json" "$OUT/"
+  for png in bandwidth pipeline timeline; do
+    [ -f "$BENCH/$png.png" ] && cp "$BENCH/$png.png" "$OUT/"
+  done
+  tar -czf "$OUT/logs.tar.gz" -C "$WORK" logs
+  cat "$OUT/summary.txt"
+  rm -rf "$WORK"
+}
+trap finish EXIT
+
+# Headline figures of a step, from its log or results.json (plain JSON: works without offcache).
+cat >"$WORK/headline.py" <<'EOF'
+import json, re, sys
+
+what, path = sys.argv[1], sys.argv[2]
+
+
+def load():
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def x(v, fmt=".2f"):
+    return "?" if v is None else format(v, fmt)
+
+
+def row(rows, **match):
+    return next((r for r in rows or [] if all(r.get(k) == v for k, v in match.items())), {})
+
+
+out = []
+r = load()
+if what == "tests":
+    with open(path, errors="replace") as f:
+        lines = [ln.strip("= \n") for ln in f if re.search(r"\d+ (passed|failed|errors?|skipped|deselected)", ln)]
+    fails = []
+    with open(path, errors="replace") as f:
+        fails = [ln.split()[1] for ln in f if ln.startswith(("FAILED ", "ERROR "))]
+    out.append(lines[-1] if lines else "no pytest summary line")
+    if fails:
+        out.append("failed: " + ", ".join(fails[:6]) + (" ..." if len(fails) > 6 else ""))
+elif what == "build":
+    if r:
+        out.append(f"offcache {r.get('version')}, torch {r.get('torch')}, backend {r.get('backend')}")
+elif what == "bench":
+    t = r.get("transfer") or []
+    if t:
+        top = max(v["bytes"] for v in t)
+        for d in ("store", "fetch"):
+            o = row(t, bytes=top, impl="offcache", direction=d).get("gbps")
+            raw = row(t, bytes=top, impl="raw_pinned", direction=d).get("gbps")
+            share = f" = {o / raw:.0%} of raw pinned {raw:.1f}" if o and raw else ""
+            out.append(f"{d} {top >> 20} MiB {x(o, '.1f')} GB/s{share}")
+    duplex = row(r.get("overlap"), case="duplex").get("ratio_to_one_direction")
+    if duplex is not None:
+        out.append(f"duplex {duplex:.2f}x")
+    s = r.get("small") or []
+    if s:
+        st = row(s, impl="offcache", direction="store").get("us_per_tensor")
+        fe = row(s, impl="offcache", direction="fetch").get("us_per_tensor")
+        out.append(f"small store/fetch {x(st)}/{x(fe)} us per tensor")
+    p = r.get("pipeline") or []
+    ours = row(p, impl="offcache_iter_prefetch")
+    if ours:
+        theirs = row(p, impl="llmcompressor_iter_prefetch").get("wall_s")
+        vs = f", {theirs / ours['wall_s']:.2f}x faster than llm-compressor prefetch" if theirs else ", no llm-compressor"
+        out.append(f"pipeline prefetch {x(ours.get('bound_ratio'))}x its bound{vs}")
+    pinned = r.get("pinned") or []
+    if pinned:
+        out.append("pinned reserved/live " + " vs ".join(f"{v['impl']} {x(v.get('ratio'))}" for v in pinned))
+elif what == "oneshot":
+    rows = r.get("oneshot") or []
+    compared = [v for v in rows if v.get("bit_identical") is not None]
+    if rows:
+        same = sum(bool(v["bit_identical"]) for v in compared)
+        out.append(f"weights bit-identical {same}/{len(compared)}")
+        for v in rows:
+            if v["impl"] == "offcache":
+                out.append(
+                    f"prefetch {'on' if v['prefetch'] else 'off'} {v['wall_s']:.1f}s, "
+                    f"{x(v.get('speedup_vs_llmcompressor'))}x llm-compressor's speed"
+                )
+        v = rows[0]
+        out.append(f"{v['num_hidden_layers']} layers, hidden {v['hidden_size']}, {v['samples']}x{v['tokens']}")
+elif what == "kv":
+    rows = r.get("kv") or []
+    for case in ("short", "long", "memory_limited"):
+        ours, dyn = row(rows, case=case, impl="offcache"), row(rows, case=case, impl="dynamic")
+        trf = row(rows, case=case, impl="transformers_offloaded")
+        if not ours:
+            continue
+        rate = ours.get("decode_tokens_per_s_median")
+        ref = trf.get("decode_tokens_per_s_median")
+        vs = f" = {rate / ref:.2f}x transformers offloaded" if rate and ref else " (transformers offloaded: failed)"
+        ok = "" if not ours.get("completed") else (", tokens equal" if ours.get("equal_to_dynamic") else ", TOKENS DIFFER")
+        out.append(f"{case} {ours.get('prompt_tokens')}: {x(rate, '.1f')} tok/s{vs if ours.get('completed') else ' failed'}{ok}")
+        if dyn and not dyn.get("completed"):
+            out.append(f"{case}: DynamicCache failed")
+elif what == "soak":
+    s = r.get("soak") or {}
+    if s:
+        out.append(
+            f"{s['ops']} ops, rss {s['rss_growth_bytes'] >> 10:+d} KiB, pinned in use growth "
+            f"{s['pinned_in_use_growth_bytes']} B, after gc {s['pinned_in_use_after_gc']} B"
+        )
+print("; ".join(out))
+EOF
+
+headline() { "$PY" "$WORK/headline.py" "$@" 2>/dev/null | head -c 400; }
+
+NAMES=(wheels build gpu tests bench oneshot kv soak)
+declare -A DEADLINE CMD WHY HEAD
+DEADLINE=([wheels]=30 [build]=150 [gpu]=60 [tests]=75 [bench]=60 [oneshot]=120 [kv]=75 [soak]=30)
+CMD[wheels]="ls .whl/*.whl >/dev/null 2>&1 || { echo 'no .whl/: run bash scripts/device_wheels.sh before the device run, and carry .whl'; exit 3; }
+  '$PY' -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target '$SITE' .whl/*.whl"
+CMD[build]="OFFCACHE_FORCE_CUDA=1 MAX_JOBS=16 '$PY' setup.py build_ext --inplace &&
+  '$PY' -c 'import json, offcache; info = offcache.build_info(); print(json.dumps(info)); assert info[\"backend\"] == \"cuda\", info' >'$LOGS/build_info.json'"
+CMD[gpu]="'$PY' -m pytest -q -p no:cacheprovider -m gpu tests"
+CMD[tests]="'$PY' -m pytest -q -p no:cacheprovider -m 'not gpu and not slow' tests \
+  --ignore=tests/test_bench.py --ignore=tests/test_soak.py"
+CMD[bench]="'$PY' -m offcache.bench transfer overlap small pipeline $SIZE --out '$BENCH'"
+CMD[oneshot]="CUBLAS_WORKSPACE_CONFIG=:4096:8 '$PY' -m offcache.bench oneshot $([ "$DRY" = 1 ] && echo --tiny) --out '$BENCH'"
+CMD[kv]="'$PY' -m offcache.bench kv $SIZE --out '$BENCH'"
+CMD[soak]="'$PY' -m offcache.bench soak $SIZE --out '$BENCH'"
+HEAD=([wheels]="" [build]="build $LOGS/build_info.json" [gpu]="tests $LOGS/gpu.log" [tests]="tests $LOGS/tests.log"
+  [bench]="bench $BENCH/results.json" [oneshot]="oneshot $BENCH/results.json" [kv]="kv $BENCH/results.json"
+  [soak]="soak $BENCH/results.json")
+if [ "$DRY" = 1 ]; then
+  WHY[wheels]="dry run: this Python has the packages (the wheels are for CPython 3.12)"
+  WHY[build]="dry run: the in-place build here is used"
+  WHY[gpu]="dry run: no GPU"
+  DEADLINE+=([tests]=120 [bench]=60 [oneshot]=60 [kv]=60 [soak]=30)
+fi
+
+{
+  gpu=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)
+  echo "offcache device check$([ "$DRY" = 1 ] && echo ' (dry run: no GPU steps, --tiny sizes)') —" \
+    "$(date -u +%FT%TZ) — ${gpu:-no GPU} — $(nproc) cores, $(uname -m)"
+  printf '%-8s %-8s %5s  %s\n' status step secs headline
+} >"$SUMMARY"
+{
+  nvidia-smi 2>&1 || true
+  "$PY" -c 'import sys, torch; print(sys.version); print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available())'
+  git log -1 --format='commit %H %s' 2>/dev/null || true
+} >"$LOGS/env.txt" 2>&1
+
+if [ "$DRY" = 0 ] && ! "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
+  echo "no CUDA GPU visible: run this on the lent GPU machine, or here with --dry-run" | tee -a "$SUMMARY" >&2
   exit 2
 fi
-OUT=${OUT:-benchmarks/results/device-$(date -u +%Y%m%d-%H%M%S)}
-mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current,memory.total \
-  --format=csv | tee "$OUT/gpu.txt"
 
-# Wheels carried in .whl/ (llm-compressor for its baseline), installed aside.
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
-python3 -c "import llmcompressor" 2>/dev/null \
-  || echo "device_check: llm-compressor is not importable here; its pipeline baseline is skipped" | tee -a "$OUT/notes.txt"
-
-echo "== build"
-OFFCACHE_FORCE_CUDA=1 MAX_JOBS=16 python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1 \
-  || { tail -30 "$OUT/build.log"; exit 1; }
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-python3 -c "import offcache; print(offcache.build_info())" | tee "$OUT/build_info.txt"
-
-echo "== tests"
-timeout 240 python3 -m pytest -q -p no:cacheprovider tests -m gpu 2>&1 | tee "$OUT/tests-gpu.log" | tail -5
-gpu_tests=${PIPESTATUS[0]}
-timeout 240 python3 -m pytest -q -p no:cacheprovider tests -m "not gpu and not slow" -x 2>&1 \
-  | tee "$OUT/tests-rest.log" | tail -3
-rest_tests=${PIPESTATUS[0]}
-
-echo "== bench"
-timeout 300 python3 -m offcache.bench ${BENCH_ARGS:---quick} --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -25
-bench=${PIPESTATUS[0]}
-timeout 60 python3 benchmarks/soak.py --ops 30000 --json "$OUT/soak.json" | tail -1
-
-echo "== summary ($(( $(date +%s) - start )) s)"
-printf '%-12s %s\n' "gpu tests" "exit $gpu_tests" "other tests" "exit $rest_tests" "bench" "exit $bench" \
-  "results" "$OUT/results.json"
-[ "$gpu_tests" = 0 ] && [ "$rest_tests" = 0 ] && [ "$bench" = 0 ]
+for i in "${!NAMES[@]}"; do
+  name=${NAMES[$i]}
+  later=$((${#NAMES[@]} - i - 1))
+  start=$(date +%s)
+  limit=$((BUDGET - (start - T0) - RESERVE * later))
+  [ "$limit" -gt "${DEADLINE[$name]}" ] && limit=${DEADLINE[$name]}
+  if [ -n "${WHY[$name]:-}" ]; then
+    status=skip
+    line=${WHY[$name]}
+  elif [ "$limit" -lt 5 ]; then
+    status=skip
+    line="no time left in the ${BUDGET} s budget"
+  else
+    echo "== $name (deadline ${limit} s)" >&2
+    timeout -k 5 "$limit" bash -c "${CMD[$name]}" >"$LOGS/$name.log" 2>&1
+    rc=$?
+    case $rc in
+      0) status=pass ;;
+      124 | 137) status=timeout ;;
+      *) status=fail ;;
+    esac
+    [ "$name" = wheels ] && [ "$rc" = 0 ] && export PYTHONPATH=$PYTHONPATH:$SITE
+    # shellcheck disable=SC2086
+    line=$([ -n "${HEAD[$name]}" ] && headline ${HEAD[$name]})
+    [ "$name" = wheels ] && line="$(find .whl -name '*.whl' 2>/dev/null | wc -l) wheels into $SITE"
+    [ "$status" = pass ] || line="exit $rc; ${line:-$(tail -n 1 "$LOGS/$name.log" | head -c 200)}"
+    [ "$status" = timeout ] && line="over its ${limit} s deadline; $line"
+  fi
+  printf '%-8s %-8s %5s  %s\n' "$status" "$name" "$(($(date +%s) - start))" "$line" >>"$SUMMARY"
+  if [ "$name" = wheels ]; then # the versions every later step imports
+    "$PY" -c 'import importlib.metadata as m
+for d in ("torch", "transformers", "accelerate", "llmcompressor", "compressed-tensors", "datasets", "pyarrow",
+          "fsspec", "pydantic", "typing_extensions", "hypothesis", "pytest", "matplotlib"):
+    try:
+        print(d, m.version(d))
+    except m.PackageNotFoundError:
+        print(d, "missing")' >>"$LOGS/env.txt" 2>&1
+  fi
+done
+# Exit status: 0 when no step failed or overran (skipped steps aside).
+! grep -qE '^(fail|timeout) ' "$SUMMARY"

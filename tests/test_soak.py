@@ -1,19 +1,13 @@
 """A small soak: repeated store/fetch/delete keeps pinned bytes and RSS flat."""
 
-import importlib.util
-from pathlib import Path
-
 import torch
 
-spec = importlib.util.spec_from_file_location("soak", Path(__file__).parent.parent / "benchmarks" / "soak.py")
-soak = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(soak)
+import offcache
+from offcache.bench.soak import soak
 
 
 def test_small_soak_is_flat(host_engine):
-    import offcache
-
-    result = soak.soak(20000, torch.device("cpu"), samples=12)
+    result = soak(20000, torch.device("cpu"), samples=12)
     assert result["pinned_in_use_after_gc"] == 0
     assert result["pinned_in_use_growth_bytes"] <= 0
     assert result["pinned_reserved_growth_bytes"] <= 0

@@ -1,16 +1,21 @@
-"""python -m offcache.bench [--quick] [--out DIR] [--device cuda:0]
+"""python -m offcache.bench [SECTION ...] [--quick] [--tiny] [--out DIR] [--device cuda:N]
 
 Measures offcache side by side with the alternatives and writes
 DIR/results.json and PNG plots. On a GPU the figures are absolute; on a
 GPU-less host every section runs on the host backend and only the ratios
 between implementations measured in the same run mean anything.
+
+Sections: all (transfer, overlap, small, pipeline, kv), transfer, overlap,
+small, pipeline (with pinned and timeline), kv, soak, oneshot. Each section
+merges its results into DIR/results.json, keeping what earlier runs wrote there,
+and records its command, date, device and build under "runs"; the plots are
+redrawn from everything the file holds.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -18,113 +23,161 @@ import torch
 from tqdm import tqdm
 
 import offcache
-from offcache.bench.common import Context, device_info
-from offcache.bench.pipeline import run_pipeline
+from offcache.bench.common import Context, device_info, load_results, run_info, save_results
 from offcache.bench.plots import plot_all
-from offcache.bench.transfer import run_bookkeeping, run_overlap, run_small, run_transfer
+
+ALL = ("transfer", "overlap", "small", "pipeline", "kv")
+SECTIONS = (*ALL, "soak", "oneshot")
+# The results.json keys each section writes.
+KEYS = {"pipeline": ("pipeline", "pinned", "timeline")}
 
 
-def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m offcache.bench", description=__doc__.splitlines()[2])
-    p.add_argument("section", nargs="?", choices=["all", "kv"], default="all",
-                   help="all: transfer, overlap, small, pipeline, pinned; kv: the KV-cache protocol")  # fmt: skip
-    p.add_argument("--quick", action="store_true", help="smaller sizes (<2 min on CPU, <1 min on a GPU)")
+def parse_args(argv=None) -> argparse.Namespace:
+    doc = __doc__.split("\n\n")
+    p = argparse.ArgumentParser(prog="python -m offcache.bench", description=doc[1], epilog=doc[2])
+    p.add_argument("sections", nargs="*", metavar="SECTION", choices=("all", *SECTIONS), default="all",
+                   help="all (default), " + ", ".join(SECTIONS))  # fmt: skip
+    p.add_argument("--quick", action="store_true", help="smaller sizes (<1 min on CPU, <1 min on a GPU)")
     p.add_argument("--tiny", action="store_true", help="smallest sizes: checks the harness, not speed")
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="folder for results.json and plots")
     p.add_argument("--device", default=None, help="cuda:N (default: cuda:0 if present, else cpu)")
-    return p.parse_args(argv)
+    p.add_argument("--ops", type=int, default=None, help="soak: operations (default 100000; --quick 30000)")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    args.command = " ".join(["python -m offcache.bench", shlex.join(sys.argv[1:] if argv is None else argv)]).strip()
+    return args
 
 
-def main(argv=None) -> dict:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+def sections_of(args: argparse.Namespace) -> list[str]:
+    given = [args.sections] if isinstance(args.sections, str) else args.sections  # the default is "all"
+    names = [n for s in given for n in (ALL if s == "all" else (s,))]
+    return list(dict.fromkeys(names))  # in order, once each
+
+
+def run_section(name: str, ctx: Context, args: argparse.Namespace) -> dict:
+    """Run one section; returns the results.json keys it measured."""
+    if name == "transfer":
+        from offcache.bench.transfer import run_transfer
+
+        return {"transfer": run_transfer(ctx)}
+    if name == "overlap":
+        from offcache.bench.transfer import run_overlap
+
+        return {"overlap": run_overlap(ctx)}
+    if name == "small":
+        from offcache.bench.transfer import run_bookkeeping, run_small
+
+        return {"small": run_small(ctx) + run_bookkeeping(ctx)}
+    if name == "pipeline":
+        from offcache.bench.pipeline import run_pipeline
+
+        return dict(zip(KEYS["pipeline"], run_pipeline(ctx)))
+    if name == "kv":
+        from offcache.bench.kv import run_kv
+
+        return {"kv": run_kv(ctx)}
+    if name == "soak":
+        from offcache.bench.soak import run_soak
+
+        return {"soak": run_soak(ctx, args.ops)}
+    if name == "oneshot":
+        from offcache.bench.oneshot import run_oneshot
+
+        return {"oneshot": run_oneshot(ctx)}
+    raise ValueError(f"unknown section {name!r}")
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Run the sections `args` names, merge them into args.out/results.json, draw the plots."""
     device = torch.device(args.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = offcache.build_info()["backend"]
     ctx = Context(device=device, quick=args.quick, tiny=args.tiny, backend=backend)
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.section == "kv":
-        return main_kv(args, ctx)
-    results = {
-        "device": device_info(device),
-        "backend": backend,
-        "note": (
-            "absolute figures (GPU)"
-            if ctx.gpu
-            else "host backend on a GPU-less machine: only ratios between rows of this run are meaningful"
-        ),
-        "command": " ".join(["python -m offcache.bench", *(sys.argv[1:] if argv is None else argv)]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "build_info": offcache.build_info(),
-        "torch": torch.__version__,
-    }
-    sections = [
-        ("transfer", run_transfer),
-        ("overlap", run_overlap),
-        ("small", lambda c: run_small(c) + run_bookkeeping(c)),
-        ("pipeline", None),
-    ]
-    for name, fn in tqdm(sections, desc="offcache.bench", unit="section"):
-        if fn is not None:
-            results[name] = fn(ctx)
-        else:
-            results["pipeline"], results["pinned"], results["timeline"] = run_pipeline(ctx)
-    results["engine_stats"] = offcache.stats()
-    (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
-    results["plots"] = plot_all(results, args.out)
-    (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
-    print(summary(results))
-    return results
-
-
-def main_kv(args, ctx: Context) -> dict:
-    from offcache.bench.kv import run_kv
-
     path = args.out / "results.json"
-    results = json.loads(path.read_text()) if path.exists() else {"device": device_info(ctx.device),
-                                                                   "backend": ctx.backend}  # fmt: skip
-    results["kv"] = run_kv(ctx)
-    results["kv_command"] = " ".join(["python -m offcache.bench", *(sys.argv[1:])])
-    path.write_text(json.dumps(results, indent=2, default=str))
-    for row in results["kv"]:
-        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()})
+    names = sections_of(args)
+    for name in tqdm(names, desc="offcache.bench", unit="section", disable=len(names) < 2):
+        measured = run_section(name, ctx, args)
+        results = load_results(path)  # re-read: another run may have added sections meanwhile
+        results.update(measured)
+        results.setdefault("runs", {})[name] = run_info(ctx, args.command)
+        results.update(
+            device=device_info(device),
+            backend=backend,
+            note=(
+                "absolute figures (GPU)"
+                if ctx.gpu
+                else "host backend on a GPU-less machine: only ratios between rows of this run are meaningful"
+            ),
+            engine_stats=offcache.stats(),
+        )
+        save_results(path, results)
+    results["plots"] = plot_all(results, args.out)
+    save_results(path, results)
+    results["sections_run"] = names
     return results
 
 
-def summary(r: dict) -> str:
+def main(argv=None) -> int:
+    """The `offcache-bench` console script and `python -m offcache.bench`: 0 on success."""
+    results = run(parse_args(argv))
+    print(summary(results, results["sections_run"]))
+    return 0
+
+
+def summary(r: dict, names=SECTIONS) -> str:
+    """A few lines per section in `names` that `r` holds."""
     lines = [f"offcache.bench — backend: {r['backend']} — {r['device']['name']} — {r['note']}"]
-    top = max(x["bytes"] for x in r["transfer"])
-    lines.append(f"transfer at {top >> 20} MiB (GB/s):")
-    for d in ("store", "fetch"):
-        cells = [f"{x['impl']} {x['gbps']:.2f}" for x in r["transfer"] if x["bytes"] == top and x["direction"] == d]
-        lines.append(f"  {d:5}: " + " | ".join(cells))
-    duplex = next(x for x in r["overlap"] if x["case"] == "duplex")
-    cc = next(x for x in r["overlap"] if x["case"] == "copy_compute")
-    lines.append(
-        f"overlap: duplex {duplex['ratio_to_one_direction']:.2f}x one direction; "
-        f"copy hidden behind compute {cc['fraction_of_copy_hidden']:.0%}"
-    )
-    lines.append(
-        "small (us per tensor): "
-        + " | ".join(
-            f"{x['impl']} {x['direction']} {x['us_per_tensor']:.2f}" for x in r["small"] if "us_per_tensor" in x
+    if "transfer" in names and r.get("transfer"):
+        top = max(x["bytes"] for x in r["transfer"])
+        lines.append(f"transfer at {top >> 20} MiB (GB/s):")
+        for d in ("store", "fetch"):
+            cells = [f"{x['impl']} {x['gbps']:.2f}" for x in r["transfer"] if x["bytes"] == top and x["direction"] == d]
+            lines.append(f"  {d:5}: " + " | ".join(cells))
+    if "overlap" in names and r.get("overlap"):
+        duplex = next(x for x in r["overlap"] if x["case"] == "duplex")
+        cc = next(x for x in r["overlap"] if x["case"] == "copy_compute")
+        lines.append(
+            f"overlap: duplex {duplex['ratio_to_one_direction']:.2f}x one direction; "
+            f"copy hidden behind compute {cc['fraction_of_copy_hidden']:.0%}"
         )
-    )
-    lines.append(
-        "fetch of a 5-tensor batch (us): "
-        + " | ".join(
-            f"{x['impl']} (offload {x['offload_device']}) {x['us_per_batch']:.1f}"
-            for x in r["small"]
-            if "us_per_batch" in x
+    if "small" in names and r.get("small"):
+        small = [x for x in r["small"] if "us_per_tensor" in x]
+        lines.append(
+            "small (us per tensor): "
+            + " | ".join(f"{x['impl']} {x['direction']} {x['us_per_tensor']:.2f}" for x in small)
         )
-    )
-    lines.append("pipeline wall time (s):")
-    for x in r["pipeline"]:
-        extra = f"  ({x['vs_ideal']:.2f}x ideal)" if "vs_ideal" in x else ""
-        lines.append(f"  {x['impl']:30} {x['wall_s']:.3f}{extra}")
-    lines.append("pinned reserved/live: " + " | ".join(f"{x['impl']} {x['ratio']:.2f}" for x in r["pinned"]))
+        batch = [x for x in r["small"] if "us_per_batch" in x]
+        lines.append(
+            "fetch of a 5-tensor batch (us): "
+            + " | ".join(f"{x['impl']} (offload {x['offload_device']}) {x['us_per_batch']:.1f}" for x in batch)
+        )
+    if "pipeline" in names and r.get("pipeline"):
+        lines.append("pipeline wall time (s):")
+        for x in r["pipeline"]:
+            extra = f"  ({x['vs_ideal']:.2f}x ideal)" if "vs_ideal" in x else ""
+            lines.append(f"  {x['impl']:30} {x['wall_s']:.3f}{extra}")
+        lines.append("pinned reserved/live: " + " | ".join(f"{x['impl']} {x['ratio']:.2f}" for x in r["pinned"]))
+    if "kv" in names and r.get("kv"):
+        lines.append("kv decode (tokens/s; equal to DynamicCache):")
+        for x in r["kv"]:
+            if x.get("completed"):
+                lines.append(
+                    f"  {x['case']:15} {x['impl']:24} {x['decode_tokens_per_s_median'] or 0:9.1f}  "
+                    f"{x.get('equal_to_dynamic')}"
+                )
+            else:
+                lines.append(f"  {x['case']:15} {x['impl']:24} {x.get('error') or x.get('note') or 'not run'}")
+    if "soak" in names and r.get("soak"):
+        from offcache.bench.soak import describe
+
+        lines.append(describe(r["soak"]))
+    if "oneshot" in names and r.get("oneshot"):
+        from offcache.bench.oneshot import describe
+
+        lines.append(describe(r["oneshot"]))
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

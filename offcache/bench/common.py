@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import datetime
+import json
+import os
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -85,3 +89,31 @@ def device_info(device: torch.device) -> dict:
 def bump_version(t: torch.Tensor) -> None:
     """Make the dedup table treat `t` as new, so a repeat copies it again."""
     torch.autograd.graph.increment_version(t)
+
+
+def run_info(ctx: Context, command: str) -> dict:
+    """What a section's results were measured with: command, date, machine and build."""
+    return {
+        "command": command,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": device_info(ctx.device),
+        "backend": ctx.backend,
+        "build_info": offcache.build_info(),
+        "torch": torch.__version__,
+    }
+
+
+def load_results(path: Path) -> dict:
+    """The results already in `path` (an earlier section's), or an empty dict."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return {}
+
+
+def save_results(path: Path, results: dict) -> None:
+    """Write `results` as JSON atomically: a section cut short never leaves half a file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(results, indent=2, default=str))
+    tmp.replace(path)

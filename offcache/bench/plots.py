@@ -11,10 +11,17 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def plot_all(results: dict, out: Path) -> list[str]:
-    files = [_bandwidth(results, out / "bandwidth.png"), _pipeline(results, out / "pipeline.png")]
+    """The plots that `results` has data for: bandwidth.png (transfer), pipeline.png (pipeline,
+    oneshot and kv, a panel each) and timeline.png (timeline)."""
+    out = Path(out)
+    files = []
+    if results.get("transfer"):
+        files.append(_bandwidth(results, out / "bandwidth.png"))
+    if any(results.get(k) for k in ("pipeline", "oneshot", "kv")):
+        files.append(_end_to_end(results, out / "pipeline.png"))
     if results.get("timeline"):
         files.append(_timeline(results["timeline"], results, out / "timeline.png"))
-    return [str(f) for f in files if f]
+    return [str(f) for f in files]
 
 
 def _bandwidth(results: dict, path: Path) -> Path:
@@ -37,18 +44,53 @@ def _bandwidth(results: dict, path: Path) -> Path:
     return path
 
 
-def _pipeline(results: dict, path: Path) -> Path:
-    rows = [r for r in results["pipeline"] if "wall_s" in r]
-    fig, ax = plt.subplots(figsize=(8, 4))
-    ax.barh([r["impl"] for r in rows], [r["wall_s"] for r in rows], color="tab:blue")
-    for i, r in enumerate(rows):
-        ax.text(r["wall_s"], i, f" {r['wall_s']:.3g}s", va="center")
-    ax.set_xlabel("wall time (s)")
-    ax.set_title(f"Simulated sequential pipeline — backend: {results['backend']}")
+def _end_to_end(results: dict, path: Path) -> Path:
+    panels = [(k, fn) for k, fn in (("pipeline", _pipeline), ("oneshot", _oneshot), ("kv", _kv)) if results.get(k)]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 3.2 * len(panels)), squeeze=False)
+    for ax, (key, draw) in zip(axes[:, 0], panels):
+        draw(results[key], ax)
+    fig.suptitle(f"Wall time and throughput — backend: {results['backend']}, {results['device']['name']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _bars(ax, labels: list[str], values: list[float], fmt: str, color: str) -> None:
+    ax.barh(labels, values, color=color)
+    for i, v in enumerate(values):
+        ax.text(v, i, " " + fmt.format(v), va="center")
+    ax.invert_yaxis()
+    ax.margins(x=0.15)
+
+
+def _pipeline(rows: list[dict], ax) -> None:
+    rows = [r for r in rows if "wall_s" in r]
+    _bars(ax, [r["impl"] for r in rows], [r["wall_s"] for r in rows], "{:.3g}s", "tab:blue")
+    ax.set_xlabel("wall time (s)")
+    ax.set_title("Simulated sequential pipeline")
+
+
+def _oneshot(rows: list[dict], ax) -> None:
+    labels = [f"{r['impl']}, prefetch {'on' if r['prefetch'] else 'off'}" for r in rows]
+    _bars(ax, labels, [r["wall_s"] for r in rows], "{:.3g}s", "tab:purple")
+    for i, r in enumerate(rows):
+        if r.get("bit_identical") is False:
+            ax.text(0, i, " weights differ", va="center", color="red")
+    r0 = rows[0]
+    ax.set_xlabel("wall time of oneshot (s)")
+    ax.set_title(
+        f"llm-compressor oneshot, GPTQ W4A16: {r0['num_hidden_layers']} layers, hidden {r0['hidden_size']}, "
+        f"{r0['samples']}x{r0['tokens']} tokens, {r0['dtype']}"
+    )
+
+
+def _kv(rows: list[dict], ax) -> None:
+    rows = [r for r in rows if r.get("completed") and r.get("decode_tokens_per_s_median")]
+    labels = [f"{r['case']} ({r['prompt_tokens']} tokens): {r['impl']}" for r in rows]
+    _bars(ax, labels, [r["decode_tokens_per_s_median"] for r in rows], "{:.4g}", "tab:green")
+    ax.set_xlabel("decode tokens/s (median)")
+    ax.set_title("KV cache decode (greedy)")
 
 
 def _timeline(tl: dict, results: dict, path: Path) -> Path:

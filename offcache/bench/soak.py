@@ -1,21 +1,18 @@
-"""Soak: many store/fetch/delete operations must keep RSS and pinned bytes flat.
+"""Section soak (``python -m offcache.bench soak [--ops N]``): many store/fetch/delete
+operations must keep RSS and pinned bytes flat.
 
-    python benchmarks/soak.py [--ops 100000] [--json OUT]
-
-Prints RSS and engine bytes at intervals and the growth between the first and
+Records RSS and engine bytes at intervals and the growth between the first and
 last quarter of the run. tests/test_soak.py runs a small version.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import sys
 
 import torch
 
 import offcache
+from offcache.bench.common import Context
 
 
 def rss_bytes() -> int:
@@ -54,6 +51,7 @@ def soak(ops: int, device: torch.device, batches: int = 16, samples: int = 20) -
 
     return {
         "ops": ops,
+        "device": str(device),
         "points": points,
         "rss_growth_bytes": growth("rss"),
         "pinned_in_use_growth_bytes": growth("pinned_in_use"),
@@ -62,24 +60,16 @@ def soak(ops: int, device: torch.device, batches: int = 16, samples: int = 20) -
     }
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--ops", type=int, default=100_000)
-    p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--json", type=str, default=None)
-    args = p.parse_args(argv)
-    result = soak(args.ops, torch.device(args.device))
-    for pt in result["points"]:
-        print(f"op {pt['op']:>7}  rss {pt['rss'] >> 20:>6} MiB  pinned in use {pt['pinned_in_use'] >> 10:>8} KiB")
-    print(
-        f"growth first->last quarter: rss {result['rss_growth_bytes'] >> 10} KiB, "
+def default_ops(ctx: Context) -> int:
+    return 3_000 if ctx.tiny else (30_000 if ctx.quick else 100_000)
+
+
+def run_soak(ctx: Context, ops: int | None = None) -> dict:
+    return soak(ops or default_ops(ctx), ctx.device)
+
+
+def describe(result: dict) -> str:
+    return (
+        f"soak: {result['ops']} ops, growth first->last quarter: rss {result['rss_growth_bytes'] >> 10} KiB, "
         f"pinned in use {result['pinned_in_use_growth_bytes']} B; after gc: {result['pinned_in_use_after_gc']} B"
     )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

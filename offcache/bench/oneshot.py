@@ -1,0 +1,205 @@
+"""Section oneshot (``python -m offcache.bench oneshot``): llm-compressor's real sequential GPTQ.
+
+`oneshot(pipeline="sequential")` with GPTQ W4A16 on a random Llama (saved with
+`save_llama`, so it loads like a checkpoint), run four times: with
+llm-compressor's own IntermediatesCache and with `offcache.patch_llmcompressor()`,
+each with `sequential_prefetch` off and on. Recorded per run: the wall time of
+`oneshot`, whether the weights are bit-identical to the reference run (the
+llm-compressor run with the same prefetch setting; llm-compressor with prefetch
+against llm-compressor without), and for offcache the speedup over
+llm-compressor with the same prefetch setting.
+
+Sizes: on a GPU hidden 2048, 6 layers, 128 samples x 512 tokens in bf16, the
+model on the GPU (the sequential pipeline onloads to llm-compressor's main
+device, the GPU, and the activations are offloaded to the CPU by the cache
+under test). On a CPU the model is small and fp32, and torch runs on one
+thread so that the four runs are deterministic and comparable bit for bit.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+import offcache
+from offcache.bench.common import Context
+from offcache.bench.models import save_llama
+
+# cuBLAS picks the same kernels run after run only with a fixed workspace; set before
+# the first matrix product of the process (benchmarks/device_check.sh also sets it).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+@dataclass
+class Shape:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    samples: int
+    tokens: int
+
+    @classmethod
+    def for_context(cls, ctx: Context) -> Shape:
+        if ctx.tiny:  # tests/test_llmcompressor_oneshot.py's model (GPTQ groups of 128 need hidden >= 128)
+            return cls(128, 256, 3, 4, 2, 96, 6, 24)
+        if ctx.gpu:
+            return cls(2048, 5632, 6, 16, 4, 32000, 128, 512)
+        return cls(256, 512, 3 if ctx.quick else 4, 4, 2, 512, 8 if ctx.quick else 16, 64 if ctx.quick else 128)
+
+
+RUNS = [  # interleaved, so that drift on the machine touches both caches alike
+    ("llmcompressor", False),
+    ("offcache", False),
+    ("llmcompressor", True),
+    ("offcache", True),
+]
+
+
+def calibration_set(shape: Shape):
+    import datasets
+
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randint(4, shape.vocab_size, (shape.samples, shape.tokens), generator=g).tolist()
+    return datasets.Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * shape.tokens] * shape.samples})
+
+
+def _load(ctx: Context, model_dir: Path, dtype: torch.dtype):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    return model.to(ctx.device).eval(), transformers.AutoTokenizer.from_pretrained(model_dir)
+
+
+def _sync(ctx: Context) -> None:
+    offcache.synchronize()
+    if ctx.gpu:
+        torch.cuda.synchronize(ctx.device)
+
+
+def quantize(ctx: Context, model_dir: Path, dtype: torch.dtype, shape: Shape, dataset, prefetch: bool):
+    """One oneshot run: (wall seconds of oneshot, the quantized state dict on the CPU)."""
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import GPTQModifier
+
+    torch.manual_seed(0)
+    model, tokenizer = _load(ctx, model_dir, dtype)
+    _sync(ctx)
+    t0 = time.perf_counter()
+    oneshot(
+        model=model,
+        tokenizer=tokenizer,
+        dataset=dataset,
+        recipe=GPTQModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"]),
+        num_calibration_samples=shape.samples,
+        max_seq_length=shape.tokens,
+        pipeline="sequential",
+        shuffle_calibration_samples=False,
+        sequential_prefetch=prefetch,
+    )
+    _sync(ctx)
+    wall = time.perf_counter() - t0
+    state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    del model
+    gc.collect()
+    if ctx.gpu:
+        torch.cuda.empty_cache()
+    return wall, state
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+def _warm_up(ctx: Context, model_dir: Path, dtype: torch.dtype, shape: Shape) -> None:
+    """First-use costs kept out of the first timed run: kernels, cuBLAS and cuSOLVER handles."""
+    model, _ = _load(ctx, model_dir, dtype)
+    with torch.no_grad():
+        model(torch.randint(4, shape.vocab_size, (1, shape.tokens), device=ctx.device))
+    h = torch.eye(256, device=ctx.device, dtype=torch.float32)
+    torch.linalg.cholesky(h)
+    torch.cholesky_inverse(h)
+    del model
+    gc.collect()
+
+
+def run_oneshot(ctx: Context) -> list[dict]:
+    import llmcompressor  # noqa: F401  (an ImportError names what is missing before any work)
+
+    shape = Shape.for_context(ctx)
+    dtype = torch.bfloat16 if ctx.gpu else torch.float32
+    threads = torch.get_num_threads()
+    if not ctx.gpu:
+        torch.set_num_threads(1)
+    rows: list[dict] = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="offcache-oneshot-") as tmp:
+            model_dir = save_llama(
+                Path(tmp) / "llama", dtype=dtype, vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
+                intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_hidden_layers,
+                num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_key_value_heads,
+                max_position_embeddings=max(256, shape.tokens),
+            )  # fmt: skip
+            dataset = calibration_set(shape)
+            if not ctx.tiny:
+                _warm_up(ctx, model_dir, dtype, shape)
+            states: dict[tuple[str, bool], dict] = {}
+            walls: dict[tuple[str, bool], float] = {}
+            for impl, prefetch in RUNS:
+                offcache.unpatch_llmcompressor()
+                before = offcache.stats()
+                if impl == "offcache":
+                    offcache.empty_cache()  # each run pins its arena afresh, as a new process would
+                    offcache.patch_llmcompressor()
+                try:
+                    wall, state = quantize(ctx, model_dir, dtype, shape, dataset, prefetch)
+                finally:
+                    offcache.unpatch_llmcompressor()
+                after = offcache.stats()
+                if impl == "llmcompressor":
+                    reference = ("llmcompressor", False) if prefetch else None
+                else:
+                    reference = ("llmcompressor", prefetch)
+                row = {
+                    "impl": impl,
+                    "prefetch": prefetch,
+                    "wall_s": wall,
+                    "reference": None if reference is None else f"{reference[0]}, prefetch {reference[1]}",
+                    "bit_identical": None if reference is None else _same(state, states[reference]),
+                    "quantized": any(k.endswith("weight_scale") for k in state),
+                    "offcache_stores": after["stores"] - before["stores"],
+                    "offcache_d2h_bytes": after["d2h_bytes"] - before["d2h_bytes"],
+                    "offcache_h2d_bytes": after["h2d_bytes"] - before["h2d_bytes"],
+                }
+                if impl == "offcache":
+                    row["speedup_vs_llmcompressor"] = walls[("llmcompressor", prefetch)] / wall
+                states[(impl, prefetch)] = state
+                walls[(impl, prefetch)] = wall
+                rows.append(row)
+    finally:
+        torch.set_num_threads(threads)
+        offcache.unpatch_llmcompressor()
+    for r in rows:
+        r.update(asdict(shape), dtype=str(dtype).removeprefix("torch."), device=str(ctx.device))
+    return rows
+
+
+def describe(rows: list[dict]) -> str:
+    compared = [r for r in rows if r["bit_identical"] is not None]
+    same = sum(bool(r["bit_identical"]) for r in compared)
+    parts = [f"oneshot GPTQ W4A16: weights bit-identical {same}/{len(compared)}"]
+    for r in rows:
+        if r["impl"] == "offcache":
+            parts.append(
+                f"prefetch {'on' if r['prefetch'] else 'off'}: {r['wall_s']:.2f}s vs llm-compressor "
+                f"{r['wall_s'] * r['speedup_vs_llmcompressor']:.2f}s ({r['speedup_vs_llmcompressor']:.2f}x)"
+            )
+    return "; ".join(parts)

@@ -1,0 +1,44 @@
+"""The oneshot section at its reduced CPU size: llm-compressor's real sequential GPTQ, four runs
+(llm-compressor's cache and offcache's, sequential prefetch off and on), weights bit-identical."""
+
+import json
+
+import pytest
+
+pytest.importorskip("llmcompressor")
+pytest.importorskip("datasets")
+
+from offcache.bench.__main__ import main  # noqa: E402
+from offcache.bench.oneshot import RUNS  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def test_oneshot_section_gives_bit_identical_weights(tmp_path, capsys):
+    assert main(["oneshot", "--tiny", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    rows = results["oneshot"]
+    assert [(r["impl"], r["prefetch"]) for r in rows] == RUNS
+    assert rows[0]["reference"] is None  # llm-compressor without prefetch: what the others are compared with
+    assert [r["reference"] for r in rows[1:]] == [
+        "llmcompressor, prefetch False",
+        "llmcompressor, prefetch False",
+        "llmcompressor, prefetch True",
+    ]
+    assert all(r["bit_identical"] is True for r in rows[1:]), rows
+    assert all(r["quantized"] for r in rows)
+    for r in rows:
+        assert r["wall_s"] > 0
+        if r["impl"] == "offcache":
+            assert r["offcache_stores"] > 0, "offcache's cache was not used"
+            assert r["speedup_vs_llmcompressor"] > 0
+        else:
+            assert r["offcache_stores"] == 0, "offcache's cache was used while unpatched"
+    assert results["runs"]["oneshot"]["command"].endswith("oneshot --tiny --out " + str(tmp_path))
+    assert (tmp_path / "pipeline.png").stat().st_size > 1000
+    assert "weights bit-identical 3/3" in capsys.readouterr().out
+    import llmcompressor.pipelines.cache as lc_cache
+
+    import offcache
+
+    assert lc_cache.IntermediatesCache is not offcache.IntermediatesCache  # unpatched afterwards
