@@ -55,6 +55,7 @@ ENGINE = [
     "csrc/backend_select.cpp",
     "csrc/dedup.cpp",
     "csrc/engine.cpp",
+    "csrc/engine_copy.cpp",
     "csrc/engine_fetch.cpp",
     "csrc/engine_store.cpp",
     "csrc/host_block.cpp",

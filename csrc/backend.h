@@ -1,12 +1,14 @@
 // The primitives that differ between the CUDA and host backends. Everything
-// else (arena, dedup, fences, deferred frees, batching, in-flight bounds)
-// lives in the engine and is shared. A "stream" here is a CUDA stream or a
-// host worker thread; an event is a CUDA event or a completion flag.
+// else (arena, dedup, snapshots, fences, deferred frees, batching, in-flight
+// bounds) lives in the engine and is shared. The seam is the copy stream: a
+// CUDA stream or a host worker thread; an event is a CUDA event or a flag.
 #pragma once
 
 #include <ATen/Tensor.h>
 #include <c10/core/Device.h>
 
+#include <atomic>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -18,17 +20,55 @@
 namespace offcache {
 
 enum class Dir { kStore = 0, kFetch = 1 };  // D2H, H2D
+enum class BackendKind { kHost, kCuda };
 
+// `rows` runs of `bytes` each, `dst_pitch` / `src_pitch` apart (one 2-D copy call).
 struct CopyOp {
   void* dst;
   const void* src;
   size_t bytes;
+  size_t rows = 1;
+  size_t dst_pitch = 0;
+  size_t src_pitch = 0;
+  size_t total() const { return bytes * rows; }
+};
+
+// What the backend primitives were asked to do. Both backends count the same
+// things at the same places, so tests on the host backend bound the CUDA path.
+struct Counters {
+  std::atomic<uint64_t> events_created{0};  // new driver events (a pooled one is not new)
+  std::atomic<uint64_t> events_recorded{0};
+  std::atomic<uint64_t> stream_waits{0};  // a stream (or the host) ordered after an event
+  std::atomic<uint64_t> copy_calls{0};    // cudaMemcpyAsync calls, or memcpy calls
+  std::atomic<uint64_t> host_callbacks{0};
+  std::atomic<uint64_t> pinned_registrations{0};
+  std::atomic<uint64_t> syncs{0};  // the host blocked on an event
+};
+
+// A copy stream: work submitted to it runs in order.
+class CopyStream {
+ public:
+  virtual ~CopyStream() = default;
+  // Later work on this stream starts after `event` completes.
+  virtual void wait(const EventPtr& event) = 0;
+  virtual void copy(const std::vector<CopyOp>& ops) = 0;
+  // timed: the event can measure elapsed time (only while tracing or timing).
+  virtual EventPtr record(bool timed) = 0;
+  // Runs `fn` in stream order: on CUDA, now, with this stream current (fn
+  // enqueues kernels); on the host, on the worker thread.
+  virtual void then(std::function<void()> fn) = 0;
+  // Runs `fn` now with this stream as the current one: device memory that fn
+  // allocates comes from this stream's pool (on the host: just runs fn).
+  virtual void enter(const std::function<void()>& fn) = 0;
+  // Best effort, never throws: used while unwinding after a failed enqueue.
+  virtual void synchronize_noexcept() noexcept = 0;
 };
 
 class Backend {
  public:
   virtual ~Backend() = default;
-  virtual std::string name() const = 0;
+  virtual BackendKind kind() const = 0;
+  std::string name() const { return kind() == BackendKind::kCuda ? "cuda" : "host"; }
   // Source of the arena's chunks: pinned on CUDA, plain memory on host.
   virtual ChunkSource& chunks() = 0;
   virtual const ChunkSource& chunks() const = 0;
@@ -37,23 +77,27 @@ class Backend {
   virtual c10::Device resolve_device(c10::Device device) const = 0;
 
   // Event on the calling thread's current stream of `device`: the producer
-  // of a store, the consumer of a fetch.
+  // of a store, the consumer of a fetch. Already complete for the CPU.
   virtual EventPtr record_current(c10::Device device) = 0;
-  // The current stream of `device` waits for `event` before later work.
+  // The current stream of `device` (the calling thread for the CPU) waits for `event`.
   virtual void current_wait(c10::Device device, const EventPtr& event) = 0;
-
-  // Copy stream of `device` for direction `dir`.
-  virtual void copy_wait(Dir dir, c10::Device device, const EventPtr& event) = 0;
-  virtual void copy(Dir dir, c10::Device device, const std::vector<CopyOp>& ops) = 0;
-  virtual EventPtr copy_record(Dir dir, c10::Device device, bool timed) = 0;
+  // The copy stream for direction `dir` whose engine moves data to or from
+  // `device` (the CPU: a host worker thread).
+  virtual CopyStream& copy_stream(Dir dir, c10::Device device) = 0;
   // A timed event on the current stream of `device`: the zero of a copy trace.
   virtual EventPtr trace_origin(c10::Device device) = 0;
-  // Runs `fn` on a host thread once the copy stream reaches this point. `fn`
-  // must not call CUDA (cudaLaunchHostFunc rules).
-  virtual void host_callback(Dir dir, c10::Device device, std::function<void()> fn) = 0;
-  // Tells the device allocator that `t` is used on the copy stream, so its
-  // memory is not handed out again before that use completes.
-  virtual void mark_used_by_copy(Dir dir, c10::Device device, const at::Tensor& t) = 0;
+  // A device tensor allocated on a copy stream is handed to the consumer's
+  // current stream: the allocator must not reuse it before the consumer is done.
+  virtual void hand_over(const at::Tensor& t, c10::Device consumer) = 0;
+  // Lets `from`'s copy engine read and write `to`'s memory directly.
+  virtual void enable_peer_access(c10::Device from, c10::Device to) = 0;
+  // Host waits for `event`, counted.
+  void sync(const EventPtr& event) {
+    ++counters.syncs;
+    event->wait();
+  }
+
+  Counters counters;
 };
 
 // True when the CUDA backend was compiled in (chosen in backend_select.cpp).

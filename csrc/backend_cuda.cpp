@@ -1,6 +1,6 @@
-// CUDA backend: dedicated D2H and H2D streams per device, CUDA events,
+// CUDA backend: a D2H and an H2D copy stream per device, pooled CUDA events,
 // cudaMemcpyAsync, and pinned chunks made by cudaHostRegister on pre-touched
-// pages. CPU-only traffic is delegated to the host backend.
+// pages. CPU-only traffic goes to host copy streams.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -10,6 +10,8 @@
 
 #include <array>
 #include <mutex>
+#include <set>
+#include <utility>
 
 #include "backend_host.h"
 #include "cuda_check.h"
@@ -17,20 +19,57 @@
 namespace offcache {
 namespace {
 
+// Untimed events are reused: creating one is a driver call, and every store
+// and fetch records a few. Timed events (tracing, timing) are made fresh.
+class EventPool {
+ public:
+  EventPool(int device, Counters& counters) : device_(device), counters_(counters) {}
+  ~EventPool() {
+    for (cudaEvent_t e : free_) (void)cudaEventDestroy(e);  // at exit the context may be gone
+  }
+  cudaEvent_t take(bool timed) {
+    if (!timed) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!free_.empty()) {
+        cudaEvent_t e = free_.back();
+        free_.pop_back();
+        return e;
+      }
+    }
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+    cudaEvent_t e = nullptr;
+    OFFCACHE_CUDA_CHECK(
+        cudaEventCreateWithFlags(&e, timed ? cudaEventDefault : cudaEventDisableTiming));
+    ++counters_.events_created;
+    return e;
+  }
+  void give_back(cudaEvent_t e, bool timed) noexcept {
+    if (timed) {
+      if (cudaEventDestroy(e) != cudaSuccess) (void)cudaGetLastError();
+      return;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    free_.push_back(e);
+  }
+  int device() const { return device_; }
+
+ private:
+  int device_;
+  Counters& counters_;
+  std::mutex mu_;
+  std::vector<cudaEvent_t> free_;
+};
+
 class CudaEvent final : public Event {
  public:
-  CudaEvent(int device, bool timed) : device_(device) {
-    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-    OFFCACHE_CUDA_CHECK(
-        cudaEventCreateWithFlags(&event_, timed ? cudaEventDefault : cudaEventDisableTiming));
-  }
-  ~CudaEvent() override {
-    // Destructors cannot throw; at interpreter exit the context may be gone.
-    if (cudaEventDestroy(event_) != cudaSuccess) (void)cudaGetLastError();
-  }
+  // The pool is shared: an event (held by a ticket, say) may outlive its engine.
+  CudaEvent(std::shared_ptr<EventPool> pool, Counters* counters, bool timed)
+      : pool_(std::move(pool)), counters_(counters), timed_(timed), event_(pool_->take(timed)) {}
+  ~CudaEvent() override { pool_->give_back(event_, timed_); }
   void record(cudaStream_t stream) {
-    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(pool_->device()));
     OFFCACHE_CUDA_CHECK(cudaEventRecord(event_, stream));
+    ++counters_->events_recorded;
   }
   bool query() override {
     const cudaError_t err = cudaEventQuery(event_);
@@ -41,13 +80,23 @@ class CudaEvent final : public Event {
     OFFCACHE_CUDA_CHECK(err);
     return true;
   }
-  void wait() override { OFFCACHE_CUDA_CHECK(cudaEventSynchronize(event_)); }
+  void wait() override {
+    ++counters_->syncs;
+    OFFCACHE_CUDA_CHECK(cudaEventSynchronize(event_));
+  }
+  void wait_current(int device) override {
+    if (device < 0) return wait();
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    ++counters_->stream_waits;
+    OFFCACHE_CUDA_CHECK(
+        cudaStreamWaitEvent(c10::cuda::getCurrentCUDAStream(device).stream(), event_, 0));
+  }
   double elapsed_ms_since(Event& start) override {
     auto* s = dynamic_cast<CudaEvent*>(&start);
-    if (s == nullptr) return 0.0;
+    if (s == nullptr || !timed_ || !s->timed_) return 0.0;
     float ms = 0;
     const cudaError_t err = cudaEventElapsedTime(&ms, s->event_, event_);
-    if (err != cudaSuccess) {  // an untimed event: no figure, not an error
+    if (err != cudaSuccess) {
       (void)cudaGetLastError();
       return 0.0;
     }
@@ -56,8 +105,69 @@ class CudaEvent final : public Event {
   cudaEvent_t get() const { return event_; }
 
  private:
-  int device_;
-  cudaEvent_t event_ = nullptr;
+  std::shared_ptr<EventPool> pool_;
+  Counters* counters_;
+  bool timed_;
+  cudaEvent_t event_;
+};
+
+CudaEvent* as_cuda(const EventPtr& e) { return dynamic_cast<CudaEvent*>(e.get()); }
+
+class CudaCopyStream final : public CopyStream {
+ public:
+  CudaCopyStream(c10::DeviceIndex device, std::shared_ptr<EventPool> pool, Counters& counters)
+      : device_(device), pool_(std::move(pool)), counters_(counters) {
+    c10::cuda::CUDAGuard guard(device_);
+    int least = 0, greatest = 0;
+    OFFCACHE_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    OFFCACHE_CUDA_CHECK(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, greatest));
+  }
+  void wait(const EventPtr& event) override {
+    if (event == nullptr) return;
+    CudaEvent* e = as_cuda(event);
+    if (e == nullptr) {  // produced on a host thread
+      if (!event->query()) {
+        ++counters_.syncs;
+        event->wait();
+      }
+      return;
+    }
+    c10::cuda::CUDAGuard guard(device_);
+    ++counters_.stream_waits;
+    OFFCACHE_CUDA_CHECK(cudaStreamWaitEvent(stream_, e->get(), 0));
+  }
+  void copy(const std::vector<CopyOp>& ops) override {
+    c10::cuda::CUDAGuard guard(device_);
+    for (const auto& op : ops) {
+      ++counters_.copy_calls;
+      if (op.rows > 1) {
+        OFFCACHE_CUDA_CHECK(cudaMemcpy2DAsync(op.dst, op.dst_pitch, op.src, op.src_pitch, op.bytes,
+                                              op.rows, cudaMemcpyDefault, stream_));
+      } else {
+        OFFCACHE_CUDA_CHECK(cudaMemcpyAsync(op.dst, op.src, op.bytes, cudaMemcpyDefault, stream_));
+      }
+    }
+  }
+  EventPtr record(bool timed) override {
+    auto event = std::make_shared<CudaEvent>(pool_, &counters_, timed);
+    event->record(stream_);
+    return event;
+  }
+  void then(std::function<void()> fn) override {
+    c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromExternal(stream_, device_));
+    fn();
+  }
+  void enter(const std::function<void()>& fn) override { then(fn); }
+  void synchronize_noexcept() noexcept override {
+    if (cudaStreamSynchronize(stream_) != cudaSuccess) (void)cudaGetLastError();
+  }
+  cudaStream_t get() const { return stream_; }
+
+ private:
+  c10::DeviceIndex device_;
+  std::shared_ptr<EventPool> pool_;
+  Counters& counters_;
+  cudaStream_t stream_ = nullptr;
 };
 
 // Pinned chunks: page-touched anonymous memory registered with the driver,
@@ -65,9 +175,11 @@ class CudaEvent final : public Event {
 // limits) returns nullptr so the engine spills instead of crashing.
 class PinnedSource : public ChunkSource {
  public:
+  explicit PinnedSource(Counters& counters) : counters_(counters) {}
   void* allocate(size_t bytes, std::string* error) override {
     void* p = pages_.allocate(bytes, error);
     if (p == nullptr) return nullptr;
+    ++counters_.pinned_registrations;
     const cudaError_t err = cudaHostRegister(p, bytes, cudaHostRegisterPortable);
     if (err != cudaSuccess) {
       (void)cudaGetLastError();
@@ -87,16 +199,22 @@ class PinnedSource : public ChunkSource {
   bool pinned() const override { return true; }
 
  private:
+  Counters& counters_;
   PageSource pages_;
 };
 
 class CudaBackend : public Backend {
  public:
   explicit CudaBackend(int64_t host_copy_delay_us)
-      : host_(host_copy_delay_us), owner_pid_(getpid()) {
-    streams_.resize(c10::cuda::device_count());
+      : host_d2h_(counters, host_copy_delay_us),
+        host_h2d_(counters, host_copy_delay_us),
+        pinned_(counters),
+        owner_pid_(getpid()) {
+    const int n = c10::cuda::device_count();
+    for (int d = 0; d < n; ++d) pools_.push_back(std::make_shared<EventPool>(d, counters));
+    streams_.resize(n);
   }
-  std::string name() const override { return "cuda"; }
+  BackendKind kind() const override { return BackendKind::kCuda; }
   ChunkSource& chunks() override { return pinned_; }
   const ChunkSource& chunks() const override { return pinned_; }
 
@@ -115,145 +233,67 @@ class CudaBackend : public Backend {
   }
 
   EventPtr record_current(c10::Device device) override {
-    if (device.is_cpu()) return host_.record_current(device);
-    auto event = std::make_shared<CudaEvent>(device.index(), false);
+    if (device.is_cpu()) return HostEvent::completed();  // CPU work is synchronous
+    auto event = std::make_shared<CudaEvent>(pools_.at(device.index()), &counters, false);
     event->record(c10::cuda::getCurrentCUDAStream(device.index()).stream());
     return event;
   }
 
   void current_wait(c10::Device device, const EventPtr& event) override {
-    if (device.is_cpu() || !as_cuda(event)) return event->wait();
-    c10::cuda::CUDAGuard guard(device.index());
-    OFFCACHE_CUDA_CHECK(cudaStreamWaitEvent(
-        c10::cuda::getCurrentCUDAStream(device.index()).stream(), as_cuda(event)->get(), 0));
-  }
-
-  void copy_wait(Dir dir, c10::Device device, const EventPtr& event) override {
-    if (device.is_cpu()) return host_.copy_wait(dir, device, event);
-    if (!as_cuda(event)) return event->wait();  // produced by a host thread
-    c10::cuda::CUDAGuard guard(device.index());
-    OFFCACHE_CUDA_CHECK(cudaStreamWaitEvent(stream(dir, device), as_cuda(event)->get(), 0));
-  }
-
-  void copy(Dir dir, c10::Device device, const std::vector<CopyOp>& ops) override {
-    if (device.is_cpu()) return host_.copy(dir, device, ops);
-    c10::cuda::CUDAGuard guard(device.index());
-    cudaStream_t s = stream(dir, device);
-    if (dir == Dir::kStore && ops.size() >= kGatherMin) return copy_gathered(device, s, ops);
-    for (const auto& op : ops) {
-      OFFCACHE_CUDA_CHECK(cudaMemcpyAsync(op.dst, op.src, op.bytes, cudaMemcpyDefault, s));
+    if (event == nullptr) return;
+    if (device.is_cpu() || !as_cuda(event)) {
+      if (!event->query()) sync(event);
+      return;
     }
+    event->wait_current(device.index());
   }
 
-  EventPtr copy_record(Dir dir, c10::Device device, bool timed) override {
-    if (device.is_cpu()) return host_.copy_record(dir, device, timed);
-    auto event = std::make_shared<CudaEvent>(device.index(), timed);
-    event->record(stream(dir, device));
-    return event;
+  CopyStream& copy_stream(Dir dir, c10::Device device) override {
+    if (device.is_cpu()) return dir == Dir::kStore ? host_d2h_ : host_h2d_;
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& slot = streams_.at(device.index())[static_cast<int>(dir)];
+    if (!slot) slot = std::make_unique<CudaCopyStream>(device.index(), pools_[device.index()], counters);
+    return *slot;
   }
 
   EventPtr trace_origin(c10::Device device) override {
-    if (device.is_cpu()) return host_.trace_origin(device);
-    auto event = std::make_shared<CudaEvent>(device.index(), /*timed=*/true);
+    if (device.is_cpu()) return HostEvent::completed();
+    auto event = std::make_shared<CudaEvent>(pools_.at(device.index()), &counters, true);
     event->record(c10::cuda::getCurrentCUDAStream(device.index()).stream());
     return event;
   }
 
-  void host_callback(Dir dir, c10::Device device, std::function<void()> fn) override {
-    if (device.is_cpu()) return host_.host_callback(dir, device, std::move(fn));
-    auto* heap = new std::function<void()>(std::move(fn));
-    c10::cuda::CUDAGuard guard(device.index());
-    const cudaError_t err = cudaLaunchHostFunc(
-        stream(dir, device),
-        [](void* p) {
-          std::unique_ptr<std::function<void()>> f(static_cast<std::function<void()>*>(p));
-          (*f)();
-        },
-        heap);
-    if (err != cudaSuccess) delete heap;
+  void hand_over(const at::Tensor& t, c10::Device consumer) override {
+    if (!t.is_cuda() || !t.has_storage()) return;
+    c10::cuda::CUDACachingAllocator::recordStream(
+        t.storage().data_ptr(), c10::cuda::getCurrentCUDAStream(consumer.index()));
+  }
+
+  void enable_peer_access(c10::Device from, c10::Device to) override {
+    if (!from.is_cuda() || !to.is_cuda() || from == to) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!peers_.insert({from.index(), to.index()}).second) return;
+    int can = 0;
+    OFFCACHE_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, from.index(), to.index()));
+    if (!can) return;  // the driver stages the copy through the host instead
+    c10::cuda::CUDAGuard guard(from.index());
+    const cudaError_t err = cudaDeviceEnablePeerAccess(to.index(), 0);
+    if (err == cudaErrorPeerAccessAlreadyEnabled) {
+      (void)cudaGetLastError();
+      return;
+    }
     OFFCACHE_CUDA_CHECK(err);
   }
 
-  void mark_used_by_copy(Dir dir, c10::Device device, const at::Tensor& t) override {
-    if (device.is_cpu() || !t.is_cuda()) return;
-    auto s = c10::cuda::getStreamFromExternal(stream(dir, device), device.index());
-    c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), s);
-  }
-
  private:
-  static constexpr size_t kGatherMin = 8;
-  static constexpr size_t kGatherMaxBytes = size_t{1} << 20;
-
-  static CudaEvent* as_cuda(const EventPtr& e) { return dynamic_cast<CudaEvent*>(e.get()); }
-
-  cudaStream_t stream(Dir dir, c10::Device device) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto& pair = streams_.at(device.index());
-    cudaStream_t& s = pair[static_cast<int>(dir)];
-    if (s == nullptr) {
-      c10::cuda::CUDAGuard guard(device.index());
-      int least = 0, greatest = 0;
-      OFFCACHE_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-      OFFCACHE_CUDA_CHECK(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, greatest));
-    }
-    return s;
-  }
-
-  // Many small device-to-host copies: gather them on the copy stream into one
-  // device staging buffer laid out like their (packed) destination block, then
-  // issue a single D2H copy: one ~2 us call instead of one per tensor. The
-  // engine only batches kStore ops whose sources live on `device`.
-  void copy_gathered(c10::Device device, cudaStream_t s, const std::vector<CopyOp>& ops) {
-    std::vector<CopyOp> small, rest;
-    for (const auto& op : ops) (op.bytes < kGatherMaxBytes ? small : rest).push_back(op);
-    std::sort(small.begin(), small.end(),
-              [](const CopyOp& a, const CopyOp& b) { return a.dst < b.dst; });
-    size_t payload = 0, max_gap = 0;
-    for (size_t i = 0; i < small.size(); ++i) {
-      payload += small[i].bytes;
-      if (i > 0) {
-        const auto gap = static_cast<const char*>(small[i].dst) -
-                         (static_cast<const char*>(small[i - 1].dst) + small[i - 1].bytes);
-        TORCH_INTERNAL_ASSERT(gap >= 0, "offcache: overlapping copy destinations");
-        max_gap = std::max<size_t>(max_gap, static_cast<size_t>(gap));
-      }
-    }
-    char* lo = small.empty() ? nullptr : static_cast<char*>(small.front().dst);
-    const size_t span =
-        small.empty() ? 0 : static_cast<char*>(small.back().dst) + small.back().bytes - lo;
-    if (small.size() < kGatherMin || span > 2 * payload + 4096) {
-      rest = ops;  // not dense enough to be worth a gather
-      small.clear();
-    }
-    if (!small.empty()) {
-      c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromExternal(s, device.index()));
-      const auto bytes = at::TensorOptions().dtype(at::kByte).device(device);
-      at::Tensor staging = at::empty({static_cast<int64_t>(span)}, bytes);
-      at::Tensor pad = at::empty({static_cast<int64_t>(std::max<size_t>(max_gap, 1))}, bytes);
-      std::vector<at::Tensor> parts;
-      parts.reserve(small.size() * 2);
-      const char* cursor = lo;
-      for (const auto& op : small) {
-        const auto gap = static_cast<const char*>(op.dst) - cursor;
-        if (gap > 0) parts.push_back(pad.narrow(0, 0, gap));  // padding: contents unused
-        parts.push_back(
-            at::from_blob(const_cast<void*>(op.src), {static_cast<int64_t>(op.bytes)}, bytes));
-        cursor = static_cast<const char*>(op.dst) + op.bytes;
-      }
-      at::cat_out(staging, parts);
-      OFFCACHE_CUDA_CHECK(cudaMemcpyAsync(lo, staging.data_ptr(), span, cudaMemcpyDeviceToHost, s));
-      // staging and pad are freed on their own stream, after the copy in stream order.
-    }
-    for (const auto& op : rest) {
-      OFFCACHE_CUDA_CHECK(cudaMemcpyAsync(op.dst, op.src, op.bytes, cudaMemcpyDefault, s));
-    }
-  }
-
-  HostBackend host_;
+  HostCopyStream host_d2h_;  // CPU-to-CPU traffic
+  HostCopyStream host_h2d_;
   PinnedSource pinned_;
   pid_t owner_pid_;
   std::mutex mu_;
-  std::vector<std::array<cudaStream_t, 2>> streams_;
+  std::vector<std::shared_ptr<EventPool>> pools_;
+  std::vector<std::array<std::unique_ptr<CudaCopyStream>, 2>> streams_;
+  std::set<std::pair<int, int>> peers_;
 };
 
 }  // namespace

@@ -2,13 +2,58 @@
 
 #include <c10/util/Exception.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <thread>
 
 namespace offcache {
+namespace {
+std::atomic<int> g_fail_copies{0};
+}  // namespace
 
-HostBackend::HostBackend(int64_t copy_delay_us) : copy_delay_us_(copy_delay_us) {}
+void HostCopyStream::fail_next_copy() { ++g_fail_copies; }
+
+void HostCopyStream::wait(const EventPtr& event) {
+  if (event == nullptr || event->query()) return;
+  ++counters_.stream_waits;
+  stream_.wait_event(event);
+}
+
+void HostCopyStream::copy(const std::vector<CopyOp>& ops) {
+  counters_.copy_calls += ops.size();
+  // One task for the whole batch: the host analogue of a batch of copy calls.
+  stream_.submit([ops, delay = copy_delay_us_] {
+    for (const auto& op : ops) {
+      if (delay > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay));
+      for (size_t r = 0; r < op.rows; ++r) {
+        std::memcpy(static_cast<char*>(op.dst) + r * op.dst_pitch,
+                    static_cast<const char*>(op.src) + r * op.src_pitch, op.bytes);
+      }
+    }
+  });
+  if (g_fail_copies.load() > 0 && g_fail_copies.fetch_sub(1) > 0) {
+    TORCH_CHECK(false, "offcache: injected copy failure (tests)");
+  }
+}
+
+EventPtr HostCopyStream::record(bool) {
+  // A host event is a fresh flag, not a driver object: counted as recorded only.
+  ++counters_.events_recorded;
+  return stream_.record();
+}
+
+void HostCopyStream::then(std::function<void()> fn) { stream_.submit(std::move(fn)); }
+
+void HostCopyStream::synchronize_noexcept() noexcept {
+  try {
+    stream_.synchronize();
+  } catch (...) {  // NOLINT(bugprone-empty-catch): best effort while unwinding
+  }
+}
+
+HostBackend::HostBackend(int64_t copy_delay_us)
+    : d2h_(counters, copy_delay_us), h2d_(counters, copy_delay_us) {}
 
 c10::Device HostBackend::resolve_device(c10::Device device) const {
   TORCH_CHECK(device.is_cpu(), "offcache: the host backend handles CPU tensors only, got ", device,
@@ -22,23 +67,12 @@ EventPtr HostBackend::record_current(c10::Device) {
 }
 
 void HostBackend::current_wait(c10::Device, const EventPtr& event) {
-  if (event) event->wait();
+  if (event == nullptr || event->query()) return;
+  sync(event);
 }
 
-void HostBackend::copy_wait(Dir dir, c10::Device, const EventPtr& event) {
-  stream(dir).wait_event(event);
+CopyStream& HostBackend::copy_stream(Dir dir, c10::Device) {
+  return dir == Dir::kStore ? d2h_ : h2d_;
 }
-
-void HostBackend::copy(Dir dir, c10::Device, const std::vector<CopyOp>& ops) {
-  // One task for the whole batch: the host analogue of one batched copy call.
-  stream(dir).submit([ops, delay = copy_delay_us_] {
-    for (const auto& op : ops) {
-      if (delay > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay));
-      std::memcpy(op.dst, op.src, op.bytes);
-    }
-  });
-}
-
-EventPtr HostBackend::copy_record(Dir dir, c10::Device, bool) { return stream(dir).record(); }
 
 }  // namespace offcache

@@ -1,8 +1,7 @@
 // Host backend: worker threads are the copy streams and copies are memcpy.
-// The CUDA backend reuses it for CPU-to-CPU traffic.
+// The CUDA backend reuses its copy streams for CPU-to-CPU traffic.
 #pragma once
 
-#include <atomic>
 #include <memory>
 
 #include "backend.h"
@@ -11,31 +10,44 @@
 
 namespace offcache {
 
-class HostBackend : public Backend {
+class HostCopyStream final : public CopyStream {
  public:
   // copy_delay_us slows each emulated copy to widen race windows in tests.
+  HostCopyStream(Counters& counters, int64_t copy_delay_us)
+      : counters_(counters), copy_delay_us_(copy_delay_us) {}
+  void wait(const EventPtr& event) override;
+  void copy(const std::vector<CopyOp>& ops) override;
+  EventPtr record(bool timed) override;
+  void then(std::function<void()> fn) override;
+  void enter(const std::function<void()>& fn) override { fn(); }
+  void synchronize_noexcept() noexcept override;
+  // Tests: the next copy call queues its copies, then fails (an enqueue error).
+  static void fail_next_copy();
+
+ private:
+  Counters& counters_;
+  int64_t copy_delay_us_;
+  HostStream stream_;
+};
+
+class HostBackend : public Backend {
+ public:
   explicit HostBackend(int64_t copy_delay_us);
-  std::string name() const override { return "host"; }
+  BackendKind kind() const override { return BackendKind::kHost; }
   ChunkSource& chunks() override { return source_; }
   const ChunkSource& chunks() const override { return source_; }
   c10::Device resolve_device(c10::Device device) const override;
   EventPtr record_current(c10::Device device) override;
   void current_wait(c10::Device device, const EventPtr& event) override;
-  void copy_wait(Dir dir, c10::Device device, const EventPtr& event) override;
-  void copy(Dir dir, c10::Device device, const std::vector<CopyOp>& ops) override;
-  EventPtr copy_record(Dir dir, c10::Device device, bool timed) override;
+  CopyStream& copy_stream(Dir dir, c10::Device device) override;
   EventPtr trace_origin(c10::Device) override { return HostEvent::completed(); }
-  void host_callback(Dir dir, c10::Device, std::function<void()> fn) override {
-    stream(dir).submit(std::move(fn));
-  }
-  void mark_used_by_copy(Dir, c10::Device, const at::Tensor&) override {}
+  void hand_over(const at::Tensor&, c10::Device) override {}
+  void enable_peer_access(c10::Device, c10::Device) override {}
 
  private:
-  HostStream& stream(Dir dir) { return dir == Dir::kStore ? d2h_ : h2d_; }
   PageSource source_;
-  int64_t copy_delay_us_;
-  HostStream d2h_;
-  HostStream h2d_;
+  HostCopyStream d2h_;
+  HostCopyStream h2d_;
 };
 
 }  // namespace offcache

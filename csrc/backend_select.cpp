@@ -1,7 +1,11 @@
-// The one place the backend is chosen, and the process-wide engine.
+// The one place the backend is chosen, and the process's engines: the
+// current one, and retired ones that still serve tensors they stored.
+#include <pthread.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <mutex>
+#include <thread>
 
 #include "backend_host.h"
 #include "engine.h"
@@ -23,48 +27,59 @@ bool cuda_compiled() {
 
 namespace {
 
+enum class Choice { kAuto, kCuda, kHost };
+
+// Set by configure_global_engine() (the Python layer always configures at
+// import, with the defaults written in offcache/_engine.py).
 struct Config {
-  std::string backend = "auto";
-  size_t pinned_limit = SIZE_MAX;
-  size_t min_chunk = size_t{2} << 20;
-  size_t max_in_flight = size_t{1} << 30;
+  Choice backend = Choice::kAuto;
+  size_t pinned_limit = 0;
+  size_t min_chunk = 0;
+  size_t max_in_flight = 0;
   int64_t host_copy_delay_us = 0;
 };
 
 std::unique_ptr<Backend> choose(const Config& c) {
-  // c.backend was validated by configure_global_engine().
-  if (c.backend == "host") return std::make_unique<HostBackend>(c.host_copy_delay_us);
+  if (c.backend == Choice::kHost) return std::make_unique<HostBackend>(c.host_copy_delay_us);
 #ifdef OFFCACHE_WITH_CUDA
   if (cuda_device_count() > 0) return make_cuda_backend(c.host_copy_delay_us);
 #endif
-  TORCH_CHECK(c.backend != "cuda", "offcache: OFFCACHE_BACKEND=cuda, but ",
+  TORCH_CHECK(c.backend != Choice::kCuda, "offcache: OFFCACHE_BACKEND=cuda, but ",
               cuda_compiled() ? "no CUDA device is visible" : "offcache was built without CUDA");
   return std::make_unique<HostBackend>(c.host_copy_delay_us);
 }
 
 std::mutex g_mu;
 Config g_config;
-// Engines are never destroyed: stored tensors may outlive a reconfiguration
-// or be freed during interpreter shutdown, and their deleters need the
-// engine that made them.
+bool g_configured = false;
 Engine* g_engine = nullptr;
-pid_t g_pid = 0;
+std::vector<Engine*> g_retired;  // replaced engines that still own blocks
+std::once_flag g_atfork_once;
+
+// fork(): no engine lock may be held by another thread at that moment, or the
+// child would wait on it forever. (Host copy streams drain themselves.)
+void before_fork() {
+  g_mu.lock();
+  if (g_engine) g_engine->lock_for_fork();
+  for (Engine* e : g_retired) e->lock_for_fork();
+}
+void after_fork() {
+  for (Engine* e : g_retired) e->unlock_after_fork();
+  if (g_engine) g_engine->unlock_after_fork();
+  g_mu.unlock();
+}
 
 }  // namespace
 
 Engine& global_engine() {
   std::lock_guard<std::mutex> lock(g_mu);
-  // The host backend's worker threads do not survive fork(): a child gets a
-  // fresh engine. The CUDA backend refuses to work in a child instead.
-  if (g_engine != nullptr && g_pid != getpid() && g_engine->backend().name() == "host") {
-    g_engine = nullptr;
-  }
+  TORCH_INTERNAL_ASSERT(g_configured, "offcache: the engine is used before offcache.configure()");
   if (g_engine == nullptr) {
+    std::call_once(g_atfork_once, [] { pthread_atfork(&before_fork, &after_fork, &after_fork); });
     ArenaOptions arena;
     arena.min_chunk = g_config.min_chunk;
     arena.limit = g_config.pinned_limit;
     g_engine = new Engine(choose(g_config), arena, g_config.max_in_flight);
-    g_pid = getpid();
   }
   return *g_engine;
 }
@@ -76,16 +91,55 @@ bool global_engine_created() {
 
 void configure_global_engine(const std::string& backend, size_t pinned_limit, size_t min_chunk,
                              size_t max_in_flight, int64_t host_copy_delay_us) {
-  TORCH_CHECK_VALUE(backend == "auto" || backend == "cuda" || backend == "host",
-                    "offcache: backend (OFFCACHE_BACKEND) must be 'auto', 'cuda' or 'host', got '",
-                    backend, "'");
+  Choice choice;
+  if (backend == "auto") {
+    choice = Choice::kAuto;
+  } else if (backend == "cuda") {
+    choice = Choice::kCuda;
+  } else if (backend == "host") {
+    choice = Choice::kHost;
+  } else {
+    TORCH_CHECK_VALUE(false, "offcache: backend (OFFCACHE_BACKEND) must be 'auto', 'cuda' or 'host', got '",
+                      backend, "'");
+  }
+  TORCH_CHECK_VALUE(min_chunk > 0, "offcache: the smallest chunk (OFFCACHE_CHUNK_BYTES) must be > 0");
+  TORCH_CHECK_VALUE(host_copy_delay_us >= 0,
+                    "offcache: OFFCACHE_HOST_COPY_DELAY_US must be >= 0, got ", host_copy_delay_us);
+  Engine* old = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    g_config = Config{choice, pinned_limit, min_chunk, max_in_flight, host_copy_delay_us};
+    g_configured = true;
+    old = std::exchange(g_engine, nullptr);  // the next use builds a new one, lazily
+  }
+  if (old == nullptr) return;
+  // The old engine serves the tensors it still owns, then goes.
+  old->empty_cache();
+  bool now;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    now = old->retire();
+    if (!now) g_retired.push_back(old);
+  }
+  if (now) delete old;
+}
+
+void delete_retired(Engine* engine) {
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    g_retired.erase(std::remove(g_retired.begin(), g_retired.end(), engine), g_retired.end());
+  }
+  // Off the calling thread: it may be one of the engine's own copy-stream
+  // workers (a tensor dying in a task), which the destructor joins.
+  std::thread([engine] { delete engine; }).detach();
+}
+
+std::pair<size_t, size_t> retired_engines() {
+  // Under g_mu: a retired engine is deleted only after it left g_retired.
   std::lock_guard<std::mutex> lock(g_mu);
-  g_config = Config{backend, pinned_limit, min_chunk, max_in_flight, host_copy_delay_us};
-  // The old engine only serves the tensors it still owns: give back its spare chunks.
-  if (g_engine != nullptr && g_pid == getpid()) g_engine->empty_cache();
-  // The next use builds a new engine lazily (no CUDA initialisation at import).
-  // The previous one is kept alive for the tensors it still owns.
-  g_engine = nullptr;
+  size_t reserved = 0;
+  for (Engine* e : g_retired) reserved += e->stats().pinned_reserved_bytes;
+  return {g_retired.size(), reserved};
 }
 
 }  // namespace offcache

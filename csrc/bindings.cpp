@@ -1,6 +1,7 @@
 // Python bindings for offcache._C. Copies and waits release the GIL.
 #include <torch/extension.h>
 
+#include "backend_host.h"
 #include "engine.h"
 
 #ifdef OFFCACHE_WITH_CUDA
@@ -13,17 +14,21 @@ using offcache::global_engine;
 
 namespace {
 
-// A fetch's completion: wait() makes the consumer's current stream wait on it.
+// A copy's completion: wait() makes the consumer's current stream wait on it
+// (the calling thread, for the CPU). It needs no engine: it holds the event,
+// and the device resolved when the copy was issued.
 struct Ticket {
   EventPtr event;
-  c10::Device device;
-  std::vector<std::shared_ptr<std::atomic<bool>>> torn;
+  int device;  // -1: the CPU
   void wait() const {
-    global_engine().wait(event, device);
-    offcache::Engine::check_torn(torn);
+    if (event) event->wait_current(device);
   }
   bool query() const { return event == nullptr || event->query(); }
 };
+
+Ticket ticket_for(EventPtr event, const c10::Device& device) {
+  return Ticket{std::move(event), device.is_cpu() ? -1 : device.index()};
+}
 
 py::dict stats_dict() {
   offcache::EngineStats s;
@@ -54,8 +59,22 @@ py::dict stats_dict() {
   OFFCACHE_FIELD(h2d_seconds);
   OFFCACHE_FIELD(pinned_limit_bytes);
   OFFCACHE_FIELD(dedup_entries);
+  OFFCACHE_FIELD(snapshot_bytes);
+  OFFCACHE_FIELD(snapshot_fallbacks);
+  OFFCACHE_FIELD(lock_waits_over_1ms);
+  OFFCACHE_FIELD(leaked_blocks);
+  OFFCACHE_FIELD(events_created);
+  OFFCACHE_FIELD(events_recorded);
+  OFFCACHE_FIELD(stream_waits);
+  OFFCACHE_FIELD(copy_calls);
+  OFFCACHE_FIELD(host_callbacks);
+  OFFCACHE_FIELD(pinned_registrations);
+  OFFCACHE_FIELD(syncs);
 #undef OFFCACHE_FIELD
   d["pinned"] = global_engine().arena_pinned();
+  auto [retired, retired_bytes] = offcache::retired_engines();
+  d["retired_engines"] = retired;
+  d["retired_reserved_bytes"] = retired_bytes;
   return d;
 }
 
@@ -80,12 +99,31 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "fetch",
       [](const std::vector<at::Tensor>& stored, c10::Device device, bool wait) {
-        auto f = global_engine().fetch(stored, device, wait);
-        return std::make_pair(std::move(f.tensors), Ticket{f.done, device, std::move(f.torn)});
+        auto& engine = global_engine();
+        device = engine.backend().resolve_device(device);
+        auto f = engine.fetch(stored, device, wait);
+        return std::make_pair(std::move(f.tensors), ticket_for(std::move(f.done), device));
       },
       py::arg("stored"), py::arg("device"), py::arg("wait") = true,
       py::call_guard<py::gil_scoped_release>(),
       "Copy stored tensors to `device`. Returns (tensors, ticket).");
+  m.def(
+      "copy_into",
+      [](const std::vector<at::Tensor>& dsts, const std::vector<at::Tensor>& srcs, bool wait) {
+        auto& engine = global_engine();
+        EventPtr done = engine.copy_into(dsts, srcs, wait);
+        c10::Device consumer(c10::kCPU);
+        for (const auto& d : dsts) {
+          if (!d.device().is_cpu()) consumer = engine.backend().resolve_device(d.device());
+        }
+        return ticket_for(std::move(done), consumer);
+      },
+      py::arg("dsts"), py::arg("srcs"), py::arg("wait") = false,
+      py::call_guard<py::gil_scoped_release>(),
+      "Copy srcs[i] into the existing dsts[i] on the copy streams. Returns a ticket.");
+  m.def(
+      "set_timing", [](bool on) { global_engine().set_timing(on); }, py::arg("on"),
+      "Time every copy batch (d2h_seconds / h2d_seconds in stats) with timed events.");
   m.def(
       "synchronize", [] { global_engine().synchronize(); },
       py::call_guard<py::gil_scoped_release>());
@@ -118,6 +156,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return out;
   });
   m.def("stats", &stats_dict);
+  m.def("_fail_next_copy", &offcache::HostCopyStream::fail_next_copy,
+        "Tests: the next host copy call queues its copies, then raises.");
   m.def("set_pinned_limit", [](size_t bytes) { global_engine().set_limit(bytes); });
   m.def("take_spill_notice", [] { return global_engine().take_spill_notice(); });
   m.def("backend_name", [] { return global_engine().backend().name(); });

@@ -17,22 +17,28 @@ std::optional<at::Tensor> DedupTable::find(const at::Tensor& source, c10::Device
   const Entry& e = it->second;
   // The weak reference pins the TensorImpl's address, so a live match is the
   // same tensor, not a new one allocated where a dead one was.
-  if (e.source.expired() || e.target != target ||
-      e.version != source.unsafeGetTensorImpl()->version_counter().current_version()) {
-    return std::nullopt;
-  }
+  if (e.source.expired() || e.target != target || !matches(e, source)) return std::nullopt;
   auto stored = e.stored.lock();
   if (!stored) return std::nullopt;
   return at::Tensor(std::move(stored));
 }
 
+bool DedupTable::matches(const Entry& e, const at::Tensor& t) {
+  return e.version == t.unsafeGetTensorImpl()->version_counter().current_version() &&
+         e.storage == t.storage().unsafeGetStorageImpl() && e.data == t.data_ptr() &&
+         e.dtype == t.dtype() && t.sizes().equals(e.sizes) && t.strides().equals(e.strides) &&
+         e.requires_grad == t.requires_grad();
+}
+
 void DedupTable::insert(const at::Tensor& source, const at::Tensor& stored, c10::Device target) {
-  if (!trackable(source)) return;
+  if (!trackable(source) || source.is_same(stored)) return;
   auto* impl = source.unsafeGetTensorImpl();
   entries_.insert_or_assign(
       impl, Entry{c10::weak_intrusive_ptr<c10::TensorImpl>(source.getIntrusivePtr()),
                   c10::weak_intrusive_ptr<c10::TensorImpl>(stored.getIntrusivePtr()),
-                  impl->version_counter().current_version(), target});
+                  impl->version_counter().current_version(), source.storage().unsafeGetStorageImpl(),
+                  source.data_ptr(), source.dtype(), source.sizes().vec(), source.strides().vec(),
+                  source.requires_grad(), target});
   // Sweeping once inserts outnumber the entries that survived the last sweep
   // keeps the table within twice its live entries (plus 1024), at O(1) amortised.
   if (++inserts_since_sweep_ >= std::max<size_t>(1024, live_after_sweep_)) sweep();

@@ -1,7 +1,8 @@
 // Tensor-identity dedup table. The key is the source TensorImpl, held
-// weakly so the entry dies with the tensor. An entry is valid only while the
-// source's version counter is unchanged: a tensor edited in place after it
-// was stored is copied again rather than served stale.
+// weakly so the entry dies with the tensor. An entry is served only while
+// the source is unchanged as far as torch can tell: same version counter,
+// storage, data pointer, dtype, sizes, strides and requires_grad. (A write
+// through numpy or DLPack bumps nothing and cannot be seen.)
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -9,6 +10,7 @@
 
 #include <optional>
 #include <unordered_map>
+#include <vector>
 
 namespace offcache {
 
@@ -23,8 +25,14 @@ class DedupTable {
     c10::weak_intrusive_ptr<c10::TensorImpl> source;
     c10::weak_intrusive_ptr<c10::TensorImpl> stored;
     uint32_t version;
+    const c10::StorageImpl* storage;
+    const void* data;
+    caffe2::TypeMeta dtype;
+    std::vector<int64_t> sizes, strides;
+    bool requires_grad;
     c10::Device target;
   };
+  static bool matches(const Entry& e, const at::Tensor& source);
   void sweep();
   std::unordered_map<const c10::TensorImpl*, Entry> entries_;
   size_t inserts_since_sweep_ = 0;

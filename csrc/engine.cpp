@@ -1,6 +1,8 @@
 #include "engine.h"
 
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
 #include <cstdlib>
 
 #include "engine_detail.h"
@@ -14,9 +16,28 @@ Engine::Engine(std::unique_ptr<Backend> backend, ArenaOptions arena, size_t max_
       arena_(backend_->chunks(), arena),
       max_in_flight_(max_in_flight) {}
 
+Engine::~Engine() {
+  // Only a retired engine with no live block is deleted: wait for its copies,
+  // then the arena gives its chunks back and the copy streams stop.
+  try {
+    synchronize();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "offcache: retiring an engine: %s\n", e.what());
+  }
+}
+
+std::unique_lock<std::mutex> Engine::lock() {
+  std::unique_lock<std::mutex> l(mu_, std::try_to_lock);
+  if (l.owns_lock()) return l;
+  const auto t0 = std::chrono::steady_clock::now();
+  l.lock();
+  if (std::chrono::steady_clock::now() - t0 > std::chrono::milliseconds(1)) ++lock_waits_over_1ms_;
+  return l;
+}
+
 bool Engine::is_arena_tensor(const at::Tensor& t) const {
   HostBlock* hb = host_block_of(t);
-  return hb != nullptr && hb->engine == this && hb->pinned;
+  return hb != nullptr && hb->engine == this && hb->pinned();
 }
 
 void Engine::free_block(const Block& block) {
@@ -28,56 +49,102 @@ void Engine::free_block(const Block& block) {
   }
 }
 
-void Engine::release(HostBlock* hb) noexcept {
-  std::unique_ptr<HostBlock> owned(hb);
-  std::lock_guard<std::mutex> lock(mu_);
-  deferred_.push(hb->block, std::move(hb->fences));
+void Engine::reclaim_locked() {
   deferred_.reclaim([this](const Block& b) { free_block(b); });
 }
 
+void Engine::release(HostBlock* hb) noexcept {
+  std::unique_ptr<HostBlock> owned(hb);
+  bool delete_now = false;
+  {
+    std::lock_guard<std::mutex> guard(mu_);
+    deferred_.push(hb->block, std::move(hb->fences));
+    try {
+      reclaim_locked();
+    } catch (const std::exception& e) {
+      // A fence cannot be queried (a sticky CUDA error, say): whether a copy
+      // still touches the pending blocks is unknown, so they are kept forever.
+      stats_.leaked_blocks += deferred_.size();
+      deferred_.forget();
+      if (!broken_) {
+        broken_ = true;
+        std::fprintf(stderr,
+                     "offcache: the CUDA context is broken (%s); freed host blocks are leaked "
+                     "from now on instead of being reused\n",
+                     e.what());
+      }
+    }
+    delete_now = --live_blocks_ == 0 && retired_;
+  }
+  if (delete_now) delete_retired(this);
+}
+
+bool Engine::retire() {
+  std::lock_guard<std::mutex> guard(mu_);
+  retired_ = true;
+  return live_blocks_.load() == 0;
+}
+
 HostBlock* Engine::allocate_host(size_t bytes, bool allow_spill) {
-  deferred_.reclaim([this](const Block& b) { free_block(b); });
   std::string why;
-  auto block = arena_.allocate(bytes, &why);
-  if (!block && deferred_.size() > 0) {
-    // Memory waiting on copies counts as available: wait for them first.
-    deferred_.wait_all();
-    deferred_.reclaim([this](const Block& b) { free_block(b); });
-    block = arena_.allocate(bytes, &why);
+  std::optional<Block> block;
+  for (;;) {
+    EventPtr oldest;
+    {
+      auto l = lock();
+      reclaim_locked();
+      block = arena_.allocate(bytes, &why);
+      if (block || deferred_.size() == 0) break;
+      // Memory waiting on copies counts as available: wait (unlocked) for the
+      // oldest pending block's copies, then try again.
+      oldest = deferred_.oldest_fence();
+      if (!oldest) {
+        reclaim_locked();
+        block = arena_.allocate(bytes, &why);
+        break;
+      }
+    }
+    backend_->sync(oldest);
   }
   auto hb = std::make_unique<HostBlock>();
   hb->engine = this;
+  auto l = lock();
   if (block) {
     hb->block = *block;
-    hb->pinned = true;
-    return hb.release();
+  } else {
+    if (!allow_spill) return nullptr;
+    // Past the budget, or the OS refused to pin: spill to pageable memory.
+    const size_t size = align_up(std::max<size_t>(bytes, 1), 4096);
+    void* p = pageable_.allocate(size, &why);
+    TORCH_CHECK(p != nullptr, "offcache: out of host memory for ", bytes, " bytes: ", why);
+    hb->block = Block{p, size, kPageableChunk, 0};
+    stats_.pageable_bytes += size;
+    ++stats_.spills;
+    if (!spill_warned_) {
+      spill_warned_ = true;
+      spill_notice_ = "offcache: pinned arena unavailable (" + why +
+                      "); spilling to pageable host memory, copies will be slower";
+    }
   }
-  if (!allow_spill) return nullptr;
-  // Past the budget, or the OS refused to pin: spill to pageable memory.
-  const size_t size = align_up(std::max<size_t>(bytes, 1), 4096);
-  void* p = pageable_.allocate(size, &why);
-  TORCH_CHECK(p != nullptr, "offcache: out of host memory for ", bytes, " bytes: ", why);
-  hb->block = Block{p, size, kPageableChunk, 0};
-  hb->pinned = false;
-  stats_.pageable_bytes += size;
-  ++stats_.spills;
-  if (!spill_warned_) {
-    spill_warned_ = true;
-    spill_notice_ = "offcache: pinned arena unavailable (" + why +
-                    "); spilling to pageable host memory, copies will be slower";
-  }
+  ++live_blocks_;
+  note_peaks_locked();
   return hb.release();
 }
 
 std::string Engine::take_spill_notice() {
-  std::lock_guard<std::mutex> lock(mu_);
+  auto l = lock();
   return std::exchange(spill_notice_, std::string());
 }
 
 void Engine::set_limit(size_t bytes) {
-  std::lock_guard<std::mutex> lock(mu_);
+  auto l = lock();
   arena_.set_limit(bytes);
   spill_warned_ = false;
+}
+
+void Engine::set_timing(bool on) {
+  auto l = lock();
+  timing_ = on;
 }
 
 std::vector<Engine::InFlight> Engine::reap_locked() {
@@ -97,7 +164,7 @@ std::vector<Engine::InFlight> Engine::reap_locked() {
       ++it;
     }
   }
-  deferred_.reclaim([this](const Block& b) { free_block(b); });
+  reclaim_locked();
   return done;
 }
 
@@ -110,34 +177,51 @@ void Engine::note_peaks_locked() {
 }
 
 void Engine::throttle(size_t incoming) {
-  // Bounds bytes in flight so queued stores cannot pin unbounded GPU memory.
+  // Bounds bytes in flight (and so staging memory): waits for the oldest copy
+  // while the new one would not fit; a transfer larger than the bound goes alone.
   for (;;) {
     EventPtr oldest;
     std::vector<InFlight> finished;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      auto l = lock();
       finished = reap_locked();
       if (in_flight_.empty() || stats_.in_flight_bytes + incoming <= max_in_flight_) return;
       oldest = in_flight_.front().done;
     }
     finished.clear();  // tensors die outside the lock
-    oldest->wait();
+    backend_->sync(oldest);
   }
 }
 
-EventPtr Engine::issue(Dir dir, c10::Device device, const std::vector<EventPtr>& deps,
-                       const std::vector<CopyOp>& ops, size_t bytes,
-                       std::vector<at::Tensor> keepalive, std::function<void()> after_copy) {
-  throttle(bytes);
-  for (const auto& dep : deps) backend_->copy_wait(dir, device, dep);
-  EventPtr start = backend_->copy_record(dir, device, /*timed=*/true);
-  backend_->copy(dir, device, ops);
-  if (after_copy) backend_->host_callback(dir, device, std::move(after_copy));
-  EventPtr done = backend_->copy_record(dir, device, /*timed=*/true);
-  for (const auto& t : keepalive) {
-    if (!t.device().is_cpu()) backend_->mark_used_by_copy(dir, device, t);
+EventPtr Engine::issue(Dir dir, CopyStream& stream, const std::vector<EventPtr>& deps,
+                       const std::vector<CopyOp>& ops, std::vector<at::Tensor> keepalive,
+                       std::function<void()> then) {
+  size_t bytes = 0;
+  for (const auto& op : ops) bytes += op.total();
+  bool timed;
+  {
+    auto l = lock();
+    timed = timing_ || trace_origin_ != nullptr;
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  EventPtr start, done;
+  try {
+    std::vector<const Event*> seen;
+    for (const auto& dep : deps) {
+      if (!dep || std::find(seen.begin(), seen.end(), dep.get()) != seen.end()) continue;
+      seen.push_back(dep.get());
+      stream.wait(dep);
+    }
+    if (timed) start = stream.record(true);
+    stream.copy(ops);
+    if (then) stream.then(std::move(then));
+    done = stream.record(timed);
+  } catch (...) {
+    // Copies may already be queued that read or write `keepalive` and the
+    // callers' blocks: let them finish before anything is freed.
+    stream.synchronize_noexcept();
+    throw;
+  }
+  auto l = lock();
   in_flight_.push_back(InFlight{start, done, bytes, dir, std::move(keepalive)});
   stats_.in_flight_bytes += bytes;
   if (dir == Dir::kStore) {
@@ -151,7 +235,7 @@ EventPtr Engine::issue(Dir dir, c10::Device device, const std::vector<EventPtr>&
   return done;
 }
 
-EventPtr Engine::store_event_of(const at::Tensor& t) {
+EventPtr Engine::pending_write_of(const at::Tensor& t) {
   EventPtr dep;
   if (HostBlock* hb = host_block_of(t)) {
     dep = hb->stored;
@@ -162,69 +246,56 @@ EventPtr Engine::store_event_of(const at::Tensor& t) {
   return dep && dep->query() ? nullptr : dep;
 }
 
-Engine::Source Engine::resolve_source(const at::Tensor& t) {
-  Source s{t.is_contiguous() ? t : t.contiguous(), nullptr};
-  std::lock_guard<std::mutex> lock(mu_);
-  s.dep = store_event_of(t);
-  return s;
-}
-
 void Engine::wait_stored(const at::Tensor& t) {
   EventPtr dep;
-  std::shared_ptr<std::atomic<bool>> torn;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    dep = store_event_of(t);
-    if (HostBlock* hb = host_block_of(t)) torn = hb->torn;
+    auto l = lock();
+    dep = pending_write_of(t);
   }
-  if (dep) dep->wait();
-  check_torn({torn});
-}
-
-void Engine::wait(const EventPtr& event, c10::Device device) {
-  if (event) backend_->current_wait(device, event);
+  if (dep) backend_->sync(dep);
 }
 
 void Engine::synchronize() {
   std::vector<EventPtr> events;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    auto l = lock();
     for (const auto& f : in_flight_) events.push_back(f.done);
   }
-  for (auto& e : events) e->wait();
-  std::vector<InFlight> finished;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    finished = reap_locked();
-    deferred_.wait_all();
-    deferred_.reclaim([this](const Block& b) { free_block(b); });
+  for (auto& e : events) {
+    if (!e->query()) backend_->sync(e);
   }
+  std::vector<InFlight> finished;
+  auto l = lock();
+  finished = reap_locked();
+  deferred_.wait_all();
+  reclaim_locked();
+  l.unlock();
 }
 
 void Engine::trace_start(c10::Device device) {
   synchronize();  // copies issued before the origin are not part of the trace
   EventPtr origin = backend_->trace_origin(backend_->resolve_device(device));
-  std::lock_guard<std::mutex> lock(mu_);
+  auto l = lock();
   trace_.clear();
   trace_origin_ = std::move(origin);
 }
 
 std::vector<Engine::TraceRow> Engine::trace_stop() {
   synchronize();  // reaps (and so records) every copy still in flight
-  std::lock_guard<std::mutex> lock(mu_);
+  auto l = lock();
   trace_origin_.reset();
   return std::exchange(trace_, {});
 }
 
 size_t Engine::empty_cache() {
   synchronize();
-  std::lock_guard<std::mutex> lock(mu_);
+  auto l = lock();
   return arena_.release_empty_chunks();
 }
 
 EngineStats Engine::stats() {
   std::vector<InFlight> finished;  // destroyed after the lock is released
-  std::lock_guard<std::mutex> lock(mu_);
+  auto l = lock();
   finished = reap_locked();
   EngineStats s = stats_;
   s.pinned_reserved_bytes = arena_.reserved_bytes();
@@ -232,6 +303,16 @@ EngineStats Engine::stats() {
   s.deferred_bytes = deferred_.bytes();
   s.pinned_limit_bytes = arena_.limit();
   s.dedup_entries = dedup_.size();
+  s.lock_waits_over_1ms = lock_waits_over_1ms_.load();
+  const Counters& c = backend_->counters;
+  s.events_created = c.events_created;
+  s.events_recorded = c.events_recorded;
+  s.stream_waits = c.stream_waits;
+  s.copy_calls = c.copy_calls;
+  s.host_callbacks = c.host_callbacks;
+  s.pinned_registrations = c.pinned_registrations;
+  s.syncs = c.syncs;
+  l.unlock();
   return s;
 }
 

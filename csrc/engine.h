@@ -1,11 +1,18 @@
 // The engine: store (D2H) and fetch (H2D) over a pinned host arena, with a
 // tensor-identity dedup table, event-ordered copy streams, deferred frees
-// and a bound on bytes in flight. Backend-independent: only the primitives
-// in backend.h differ between CUDA and host.
+// and a bound on bytes in flight. Backend-independent: only the copy streams
+// and events of backend.h differ between CUDA and host.
+//
+// A store is a snapshot taken at the call: the values are copied on their
+// producer's stream (a device-to-device copy into an offcache-owned staging
+// buffer; on the host, a memcpy on the calling thread) and then drained into
+// the arena on the copy stream. Whatever the caller does to a source after
+// store() returns cannot change what was stored.
 #pragma once
 
 #include <ATen/Tensor.h>
 
+#include <atomic>
 #include <deque>
 #include <memory>
 #include <mutex>
@@ -30,36 +37,48 @@ struct EngineStats {
   size_t peak_pageable_bytes = 0, peak_in_flight_bytes = 0;
   size_t dedup_hits = 0, spills = 0, stores = 0, fetches = 0;
   size_t d2h_bytes = 0, h2d_bytes = 0, d2h_copies = 0, h2d_copies = 0;
+  size_t snapshot_bytes = 0, snapshot_fallbacks = 0;
   double d2h_seconds = 0, h2d_seconds = 0;
   size_t pinned_limit_bytes = 0;
   size_t dedup_entries = 0;
+  size_t lock_waits_over_1ms = 0;
+  size_t leaked_blocks = 0;  // kept forever after a broken CUDA context
+  // Backend primitives (backend.h, Counters).
+  uint64_t events_created = 0, events_recorded = 0, stream_waits = 0, copy_calls = 0;
+  uint64_t host_callbacks = 0, pinned_registrations = 0, syncs = 0;
 };
 
 class Engine {
  public:
   Engine(std::unique_ptr<Backend> backend, ArenaOptions arena, size_t max_in_flight);
+  ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
   // values: tensors of any shape and dtype, on a device or the CPU.
-  // Returns, in order, their copies on `target`: CPU views of arena memory
+  // Returns, in order, their snapshots on `target`: CPU views of arena memory
   // (or pageable memory past the budget) for CPU, device tensors otherwise.
-  // allow_spill=false returns a value unchanged where the arena is full.
+  // Dense layouts (e.g. channels_last) keep their strides; conj/neg bits are
+  // resolved. allow_spill=false returns a value unchanged where the arena is full.
   std::vector<at::Tensor> store(const std::vector<at::Tensor>& values, c10::Device target,
                                 bool allow_spill = true);
-  // stored: tensors returned by store() (or any tensors). Returns copies on
-  // `device` (a tensor already there that offcache does not own is returned
-  // as is) and the copy's completion event. With wait=true the current
-  // stream of `device` already waits on it; otherwise call wait() before use.
+  // stored: tensors returned by store() (or any tensors). Returns independent
+  // copies on `device` (a tensor already there that offcache does not own is
+  // returned as is) and the copy's completion event. With wait=true the
+  // current stream of `device` already waits on it; otherwise the caller
+  // makes it wait (Event::wait_current) before use.
   struct Fetched {
     std::vector<at::Tensor> tensors;
     EventPtr done;
-    std::vector<std::shared_ptr<std::atomic<bool>>> torn;  // checked by check_torn()
   };
   Fetched fetch(const std::vector<at::Tensor>& stored, c10::Device device, bool wait);
-  // Raises if a value's store read a source that was being modified in place.
-  static void check_torn(const std::vector<std::shared_ptr<std::atomic<bool>>>& flags);
-  void wait(const EventPtr& event, c10::Device device);
+  // Copies srcs[i] into the existing dsts[i] (same dtype and shape) on the
+  // copy streams. One side is offcache host memory or a device, the other a
+  // device or offcache host memory; each side must be rows of contiguous
+  // bytes at one pitch. Sources stay alive until the copy completes; they
+  // must not be modified before then (no snapshot is taken).
+  EventPtr copy_into(const std::vector<at::Tensor>& dsts, const std::vector<at::Tensor>& srcs,
+                     bool wait);
   // Blocks the calling thread until the store that produced `t` has completed,
   // so its memory can be read directly.
   void wait_stored(const at::Tensor& t);
@@ -77,6 +96,8 @@ class Engine {
   };
   void trace_start(c10::Device device);
   std::vector<TraceRow> trace_stop();
+  // Timed events (per-direction seconds in stats) cost driver work: off by default.
+  void set_timing(bool on);
 
   EngineStats stats();
   void set_limit(size_t bytes);
@@ -86,29 +107,35 @@ class Engine {
   bool arena_pinned() const { return backend_->chunks().pinned(); }
   bool is_arena_tensor(const at::Tensor& t) const;
 
-  // DataPtr deleter path; may run on any thread.
+  // DataPtr deleter path; may run on any thread; never throws.
   void release(HostBlock* block) noexcept;
+  // This engine was replaced (configure()): it is deleted as soon as no block
+  // of its remains. Returns true if it may be deleted now.
+  bool retire();
+  size_t live_blocks() const { return live_blocks_.load(); }
+
+  // Fork: held across fork() so no engine lock is taken at that moment.
+  void lock_for_fork() { mu_.lock(); }
+  void unlock_after_fork() { mu_.unlock(); }
 
  private:
   struct InFlight {
     EventPtr start, done;
     size_t bytes;
     Dir dir;
-    std::vector<at::Tensor> keepalive;  // sources and buffers the copy reads or writes
-  };
-  struct Source {
-    at::Tensor tensor;  // contiguous
-    EventPtr dep;       // store completion the copy must wait for, if any
+    std::vector<at::Tensor> keepalive;  // staging buffers, sources, destinations
   };
 
-  Source resolve_source(const at::Tensor& t);
-  EventPtr store_event_of(const at::Tensor& t);              // needs mu_
-  HostBlock* allocate_host(size_t bytes, bool allow_spill);  // needs mu_
+  std::unique_lock<std::mutex> lock();  // mu_, with contention counted
+  EventPtr pending_write_of(const at::Tensor& t);            // needs mu_
+  HostBlock* allocate_host(size_t bytes, bool allow_spill);  // takes mu_
   void free_block(const Block& block);                       // needs mu_
-  // Issues one batch of copies on the copy stream of `device`.
-  EventPtr issue(Dir dir, c10::Device device, const std::vector<EventPtr>& deps,
-                 const std::vector<CopyOp>& ops, size_t bytes, std::vector<at::Tensor> keepalive,
-                 std::function<void()> after_copy = nullptr);
+  void reclaim_locked();
+  // Issues one batch of copies on `stream` after `deps`; returns its completion.
+  // `then` runs on the stream after the copies (fetch's split).
+  EventPtr issue(Dir dir, CopyStream& stream, const std::vector<EventPtr>& deps,
+                 const std::vector<CopyOp>& ops, std::vector<at::Tensor> keepalive,
+                 std::function<void()> then = nullptr);
   void throttle(size_t incoming);
   // Moves completed in-flight entries out (destroyed by the caller, unlocked).
   std::vector<InFlight> reap_locked();
@@ -130,9 +157,14 @@ class Engine {
   size_t max_in_flight_;
   EngineStats stats_;
   bool spill_warned_ = false;
+  bool timing_ = false;
+  bool broken_ = false;  // a release found the CUDA context broken
+  bool retired_ = false;
+  std::atomic<size_t> live_blocks_{0};
   EventPtr trace_origin_;  // non-null while tracing
   std::vector<TraceRow> trace_;
   std::string spill_notice_;
+  std::atomic<size_t> lock_waits_over_1ms_{0};
 };
 
 // The process-wide engine, created on first use with the configured backend.
@@ -140,5 +172,9 @@ Engine& global_engine();
 void configure_global_engine(const std::string& backend, size_t pinned_limit, size_t min_chunk,
                              size_t max_in_flight, int64_t host_copy_delay_us);
 bool global_engine_created();
+// Engines replaced by configure() that still serve tensors, and their reserved bytes.
+std::pair<size_t, size_t> retired_engines();
+// Called by a retired engine's last release: deletes it off the calling thread.
+void delete_retired(Engine* engine);
 
 }  // namespace offcache

@@ -1,42 +1,102 @@
-// Helpers shared by the engine's translation units (store, fetch, lifecycle).
+// Helpers shared by the engine's translation units: batching policy, the
+// layout of stored tensors, and the rules for what can be stored.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <c10/core/TensorImpl.h>
 
+#include <optional>
+
 namespace offcache::detail {
 
-// Values below this size that are stored together share one block and one
-// copy; on fetch they land in one device buffer with one copy.
+// Batching policy, owned by the engine. Values below kPackBytes stored
+// together share one block (and one copy), in pieces of at most
+// kPackPieceBytes; a fetch copies a block's span, gaps included, while it is
+// at most twice the payload plus kSpanSlack.
 constexpr size_t kPackBytes = size_t{1} << 20;
+constexpr size_t kPackPieceBytes = size_t{16} << 20;
 constexpr size_t kPackAlign = 64;  // >= every dtype's alignment
+constexpr size_t kSpanSlack = 4096;
 
 inline size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
+inline bool dense_enough(size_t span, size_t payload) { return span <= 2 * payload + kSpanSlack; }
 
-// A contiguous tensor of `dtype`/`sizes` viewing `storage` at `byte_offset`.
+// True when the tensor's elements fill [data_ptr, data_ptr + nbytes) exactly
+// once (any dimension order, e.g. channels_last): its bytes can be copied as
+// one run and viewed again with the same strides.
+inline bool dense(const at::Tensor& t) { return t.is_non_overlapping_and_dense(); }
+
+// `t` with its conj/neg bits resolved and laid out densely: the tensor itself
+// when it already is (no copy), else a new tensor on the current stream.
+inline at::Tensor materialized(const at::Tensor& t) {
+  at::Tensor r = t.resolve_conj().resolve_neg();
+  return dense(r) ? r : r.contiguous();
+}
+
+// The bytes of a dense tensor as a uint8 tensor on its device (no copy).
+inline at::Tensor bytes_of(const at::Tensor& t) {
+  return at::for_blob(t.data_ptr(), {static_cast<int64_t>(t.nbytes())})
+      .options(at::TensorOptions().dtype(at::kByte).device(t.device()))
+      .target_device(t.device())
+      .make_tensor();
+}
+
+// A tensor of `like`'s dtype, sizes and (dense) strides viewing `storage` at
+// `byte_offset`.
 inline at::Tensor view_of(const c10::Storage& storage, size_t byte_offset, const at::Tensor& like) {
   const c10::DispatchKey key =
       storage.device().is_cpu() ? c10::DispatchKey::CPU : c10::DispatchKey::CUDA;
   auto t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(storage), c10::DispatchKeySet(key),
                                                     like.dtype());
-  auto* impl = t.unsafeGetTensorImpl();
-  TORCH_INTERNAL_ASSERT(byte_offset % like.element_size() == 0);
-  impl->set_sizes_contiguous(like.sizes());
-  impl->set_storage_offset(static_cast<int64_t>(byte_offset / like.element_size()));
-  if (like.requires_grad()) t.set_requires_grad(true);
+  TORCH_INTERNAL_ASSERT(byte_offset % like.element_size() == 0, "offcache: misaligned view at ",
+                        byte_offset, " for ", like.dtype());
+  t.unsafeGetTensorImpl()->set_sizes_and_strides(like.sizes(), like.strides(),
+                                                 static_cast<int64_t>(byte_offset / like.element_size()));
   return t;
 }
 
-inline void check_storable(const at::Tensor& t) {
-  TORCH_CHECK_TYPE(t.defined(), "offcache: cannot store an undefined tensor");
-  TORCH_CHECK_TYPE(t.layout() == c10::kStrided, "offcache: cannot store a tensor with layout ",
-                   t.layout(), "; only strided (dense) tensors are supported");
-  TORCH_CHECK_TYPE(!t.is_quantized(), "offcache: cannot store a quantized tensor");
-  TORCH_CHECK_TYPE(!t.is_nested(), "offcache: cannot store a nested tensor");
-  TORCH_CHECK_VALUE(!t.is_meta(), "offcache: cannot store a meta tensor: it has no data");
+// `t` with `like`'s requires_grad flag (kept as a flag: no autograd graph is stored).
+inline at::Tensor keep_flags(at::Tensor t, const at::Tensor& like) {
+  if (like.requires_grad() && !t.requires_grad()) t.set_requires_grad(true);
+  return t;
 }
 
-// The GPU whose copy stream moves data between `a` and `b` (CPU if neither).
+// An empty tensor laid out like the dense tensor `like` on `device`.
+inline at::Tensor empty_like_on(const at::Tensor& like, c10::Device device) {
+  return at::empty_strided(like.sizes(), like.strides(),
+                           like.options().device(device).requires_grad(false));
+}
+
+// The one set of rules for what can be stored (the Python layer words them
+// the same way, naming the batch and the value).
+inline void check_storable(const at::Tensor& t) {
+  TORCH_CHECK_TYPE(t.defined(), "offcache: cannot cache an undefined tensor");
+  TORCH_CHECK_TYPE(t.layout() == c10::kStrided, "offcache: cannot cache a tensor with layout ",
+                   t.layout(), "; densify it first");
+  TORCH_CHECK_TYPE(!t.is_quantized(), "offcache: cannot cache a quantized tensor (dtype ",
+                   t.dtype(), "); dequantize it first");
+  TORCH_CHECK_TYPE(!t.is_nested(), "offcache: cannot cache a nested tensor; unbind it into a list first");
+  TORCH_CHECK_VALUE(!t.is_meta(), "offcache: cannot cache a meta tensor: it has no data");
+  const auto* impl = t.unsafeGetTensorImpl();
+  TORCH_CHECK_TYPE(!impl->key_set().has(c10::DispatchKey::Python) && impl->has_storage(),
+                   "offcache: cannot cache a tensor subclass without plain storage (",
+                   "a wrapper subclass such as DTensor); store its inner tensors instead");
+  if (t.numel() > 0) {
+    const size_t need = (t.storage_offset() + 1) * t.element_size() +
+                        [&] {
+                          size_t extent = 0;
+                          for (int64_t d = 0; d < t.dim(); ++d) {
+                            extent += static_cast<size_t>(t.size(d) - 1) * t.stride(d);
+                          }
+                          return extent * t.element_size();
+                        }();
+    TORCH_CHECK_VALUE(t.storage().nbytes() >= need, "offcache: cannot cache a tensor whose storage ",
+                      "holds ", t.storage().nbytes(), " bytes but its view needs ", need,
+                      " (was the storage freed with resize_(0)?)");
+  }
+}
+
+// The GPU whose copy stream moves data between `a` and `b` (the CPU if neither).
 inline c10::Device stream_device(c10::Device preferred, c10::Device other) {
   return preferred.is_cpu() ? other : preferred;
 }

@@ -1,4 +1,6 @@
-// Engine::fetch: H2D from the arena into device buffers, batched by host block.
+// Engine::fetch: copies from the arena (or anywhere) into independent tensors
+// on the consumer's device. Values packed in one host block move as one span
+// copy into a staging buffer, then one batched split on the copy stream.
 #include <algorithm>
 
 #include "engine.h"
@@ -8,127 +10,177 @@ namespace offcache {
 
 using namespace detail;  // NOLINT(build/namespaces): the engine's own helpers
 
-void Engine::check_torn(const std::vector<std::shared_ptr<std::atomic<bool>>>& flags) {
-  for (const auto& f : flags) {
-    TORCH_CHECK(!f || !f->load(),
-                "offcache: a tensor was modified in place while its store (D2H copy) was in "
-                "flight, so its stored copy may be torn. Wait for stores to finish "
-                "(offcache.synchronize()) before editing a stored tensor in place.");
-  }
-}
+namespace {
 
-Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device device,
-                              bool wait) {
+struct Source {
+  at::Tensor dense;        // what the copy reads: conj/neg resolved, dense
+  HostBlock* block = nullptr;  // the arena block `dense` lies in, if any
+};
+
+// Items that move together: one span of one host block, or one value.
+struct Segment {
+  const char* begin;
+  size_t length;
+  size_t payload;
+  std::vector<size_t> items;
+  HostBlock* block;
+};
+
+}  // namespace
+
+Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device device, bool wait) {
   device = backend_->resolve_device(device);
-  std::vector<at::Tensor> out(stored.size());
-  std::vector<Source> sources(stored.size());
-  std::vector<HostBlock*> blocks(stored.size(), nullptr);
-  for (size_t i = 0; i < stored.size(); ++i) {
-    TORCH_CHECK_TYPE(stored[i].defined() && stored[i].layout() == c10::kStrided,
-                     "offcache: can only fetch dense tensors");
-    // Already where it is wanted and not arena memory: no copy, like Tensor.to().
-    if (stored[i].device() == device && host_block_of(stored[i]) == nullptr) {
-      out[i] = stored[i];
+  const size_t n = stored.size();
+  std::vector<at::Tensor> out(n);
+  for (const auto& t : stored) {
+    TORCH_CHECK_TYPE(t.defined() && t.layout() == c10::kStrided, "offcache: can only fetch dense tensors");
+    backend_->resolve_device(t.device());
+  }
+  // Pending writes are looked up before anything reads the values (a view
+  // being made dense reads them too).
+  std::vector<EventPtr> pending(n);
+  {
+    auto l = lock();
+    for (size_t i = 0; i < n; ++i) pending[i] = pending_write_of(stored[i]);
+  }
+  // The devices the values live on: each is a producer whose queued work the
+  // copy (and any materialising kernel) must follow.
+  std::vector<c10::Device> source_devices;
+  std::vector<Source> sources(n);
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& t = stored[i];
+    if (t.device() == device && host_block_of(t) == nullptr) {
+      // Already where it is wanted and not arena memory: no copy, like Tensor.to();
+      // a peer store still filling it is waited for.
+      if (pending[i]) backend_->current_wait(device, pending[i]);
+      out[i] = t;
       continue;
     }
-    backend_->resolve_device(stored[i].device());
-    if (stored[i].numel() == 0) {
-      out[i] = at::empty(stored[i].sizes(), stored[i].options().device(device));
+    if (pending[i]) {
+      backend_->current_wait(t.device(), pending[i]);
+      pending[i] = nullptr;  // the source device's stream now follows it
+    }
+    at::Tensor d = materialized(t.detach());
+    if (d.numel() == 0) {
+      out[i] = keep_flags(empty_like_on(d, device), t);
       continue;
     }
-    sources[i] = resolve_source(stored[i]);
-    if (sources[i].tensor.is_same(stored[i])) blocks[i] = host_block_of(stored[i]);
+    HostBlock* hb = d.is_alias_of(t) ? host_block_of(t) : nullptr;
+    sources[i] = Source{std::move(d), hb};
+    if (std::find(source_devices.begin(), source_devices.end(), t.device()) == source_devices.end()) {
+      source_devices.push_back(t.device());
+    }
   }
 
-  // Destination layout. Values from one packed host block keep their relative
-  // offsets, so the whole span moves in one copy; large values get their own
-  // buffer so the consumer can free them one by one.
-  struct Segment {
-    const char* src_begin;
-    size_t length;
-    size_t payload;  // bytes of the items (length minus gaps)
-    std::vector<size_t> items;
-    size_t offset = 0;  // in the shared small buffer
-    bool own = false;
-  };
-  std::vector<Segment> segments;
-  std::unordered_map<HostBlock*, size_t> by_block;
-  for (size_t i = 0; i < stored.size(); ++i) {
-    if (!sources[i].tensor.defined()) continue;
-    const auto* p = static_cast<const char*>(sources[i].tensor.data_ptr());
-    const size_t n = stored[i].nbytes();
-    auto it = blocks[i] ? by_block.find(blocks[i]) : by_block.end();
-    if (it != by_block.end()) {
-      Segment& s = segments[it->second];
-      const char* lo = std::min(s.src_begin, p);
-      const size_t hi = std::max<size_t>(s.src_begin + s.length - lo, p + n - lo);
-      if (hi <= 2 * (s.payload + n) + 4096) {  // dense enough to copy the span, gaps included
-        s.src_begin = lo;
-        s.length = hi;
-        s.payload += n;
-        s.items.push_back(i);
-        continue;
+  std::vector<EventPtr> done_events;
+  for (c10::Device from : source_devices) {
+    // Segments: a host block's values move as one span while it stays dense enough.
+    std::vector<Segment> segments;
+    std::unordered_map<HostBlock*, size_t> open;  // block -> its packed segment
+    for (size_t i = 0; i < n; ++i) {
+      const Source& s = sources[i];
+      if (!s.dense.defined() || s.dense.device() != from) continue;
+      const auto* p = static_cast<const char*>(s.dense.data_ptr());
+      const size_t bytes = s.dense.nbytes();
+      if (s.block != nullptr && bytes < kPackBytes) {
+        auto it = open.find(s.block);
+        if (it != open.end()) {
+          Segment& seg = segments[it->second];
+          const char* lo = std::min(seg.begin, p);
+          const size_t hi = std::max<size_t>(seg.begin + seg.length - lo, p + bytes - lo);
+          if (dense_enough(hi, seg.payload + bytes)) {
+            seg.begin = lo;
+            seg.length = hi;
+            seg.payload += bytes;
+            seg.items.push_back(i);
+            continue;
+          }
+        }
+        open[s.block] = segments.size();
+      }
+      segments.push_back(Segment{p, bytes, bytes, {i}, s.block});
+    }
+    // Spans start at a kPackAlign boundary of their block, so every value keeps
+    // its alignment inside the staging buffer.
+    for (auto& seg : segments) {
+      if (seg.items.size() < 2) continue;
+      const auto base = reinterpret_cast<uintptr_t>(seg.block->block.ptr);
+      const auto lo = reinterpret_cast<uintptr_t>(seg.begin);
+      const size_t shift = (lo - base) % kPackAlign;
+      seg.begin -= shift;
+      seg.length += shift;
+    }
+
+    // From host memory: the H2D stream of the consumer's device (a host worker
+    // for the CPU); from a GPU: that GPU's D2H stream.
+    const Dir dir = from.is_cpu() ? Dir::kFetch : Dir::kStore;
+    const c10::Device stream_dev = from.is_cpu() ? device : from;
+    CopyStream& stream = backend_->copy_stream(dir, stream_dev);
+    std::vector<CopyOp> ops;
+    std::vector<at::Tensor> keepalive;
+    std::vector<at::Tensor> split_dst, split_src;
+    std::vector<EventPtr> deps;
+    std::vector<HostBlock*> blocks;
+    const auto bytes = at::TensorOptions().dtype(at::kByte).device(device);
+    // Outputs and staging come from the copy stream's pool: the copy need not
+    // wait for the consumer's queued work; outputs are handed to the consumer.
+    stream.enter([&] {
+      for (auto& seg : segments) {
+        if (seg.items.size() == 1) {
+          const size_t i = seg.items[0];
+          at::Tensor o = empty_like_on(sources[i].dense, device);
+          ops.push_back(CopyOp{o.data_ptr(), sources[i].dense.data_ptr(), sources[i].dense.nbytes()});
+          out[i] = o;
+        } else {
+          at::Tensor staging = at::empty({static_cast<int64_t>(seg.length)}, bytes);
+          ops.push_back(CopyOp{staging.data_ptr(), seg.begin, seg.length});
+          for (size_t i : seg.items) {
+            const auto* p = static_cast<const char*>(sources[i].dense.data_ptr());
+            at::Tensor o = empty_like_on(sources[i].dense, device);
+            split_dst.push_back(bytes_of(o));
+            split_src.push_back(staging.narrow(0, p - seg.begin, static_cast<int64_t>(o.nbytes())));
+            out[i] = o;
+          }
+          keepalive.push_back(std::move(staging));
+        }
+        if (seg.block && std::find(blocks.begin(), blocks.end(), seg.block) == blocks.end()) {
+          blocks.push_back(seg.block);
+        }
+      }
+    });
+    for (size_t i = 0; i < n; ++i) {
+      if (!sources[i].dense.defined() || sources[i].dense.device() != from) continue;
+      if (pending[i]) deps.push_back(pending[i]);
+      keepalive.push_back(sources[i].dense);
+      keepalive.push_back(out[i]);
+    }
+    if (!from.is_cpu()) deps.push_back(backend_->record_current(from));  // GPU producer -> copy
+    // Several source devices (rare): each group follows the earlier ones, so the
+    // last group's event is the whole fetch's.
+    deps.insert(deps.end(), done_events.begin(), done_events.end());
+    std::function<void()> split;
+    if (!split_dst.empty()) {
+      split = [dst = std::move(split_dst), src = std::move(split_src)] { at::_foreach_copy_(dst, src); };
+    }
+    EventPtr done = issue(dir, stream, deps, ops, std::move(keepalive), std::move(split));
+    {
+      auto l = lock();
+      ++stats_.fetches;
+      for (HostBlock* hb : blocks) hb->add_fence(done);
+    }
+    if (!device.is_cpu()) {
+      for (size_t i = 0; i < n; ++i) {
+        if (sources[i].dense.defined() && sources[i].dense.device() == from) backend_->hand_over(out[i], device);
       }
     }
-    segments.push_back(Segment{p, n, n, {i}, 0, n >= kPackBytes});
-    if (blocks[i] && n < kPackBytes) by_block[blocks[i]] = segments.size() - 1;
+    done_events.push_back(done);
   }
-  size_t small_total = 0;
-  for (auto& s : segments) {
-    if (s.own) continue;
-    s.offset = small_total;
-    small_total = align_up(small_total + s.length, 256);
+  EventPtr last = done_events.empty() ? nullptr : done_events.back();
+  for (size_t i = 0; i < n; ++i) {
+    if (sources[i].dense.defined()) keep_flags(out[i], stored[i]);
   }
-  const auto byte_options = at::TensorOptions().dtype(at::kByte).device(device);
-  at::Tensor small_buffer;
-  if (small_total > 0) small_buffer = at::empty({static_cast<int64_t>(small_total)}, byte_options);
-
-  std::vector<CopyOp> ops;
-  std::vector<EventPtr> deps;
-  std::vector<at::Tensor> keepalive;
-  size_t bytes = 0;
-  for (auto& s : segments) {
-    at::Tensor buffer =
-        s.own ? at::empty({static_cast<int64_t>(s.length)}, byte_options) : small_buffer;
-    char* base = static_cast<char*>(buffer.data_ptr()) + s.offset;
-    ops.push_back(CopyOp{base, s.src_begin, s.length});
-    bytes += s.length;
-    for (size_t i : s.items) {
-      const auto* p = static_cast<const char*>(sources[i].tensor.data_ptr());
-      out[i] = view_of(buffer.storage(), s.offset + (p - s.src_begin), stored[i]);
-      if (sources[i].dep) deps.push_back(sources[i].dep);
-      keepalive.push_back(sources[i].tensor);
-    }
-    if (s.own) keepalive.push_back(std::move(buffer));
-  }
-  if (small_buffer.defined()) keepalive.push_back(small_buffer);
-  EventPtr done;
-  if (!ops.empty()) {
-    // Store events -> H2D copy stream; the consumer waits on `done` below or in wait().
-    // The buffers came from the consumer stream's pool, where memory freed by the
-    // consumer may still be read by its queued kernels: the copy waits for those too.
-    deps.push_back(backend_->record_current(device));
-    const c10::Device copy_device = stream_device(device, stored.front().device());
-    done = issue(Dir::kFetch, copy_device, deps, ops, bytes, std::move(keepalive));
-    std::lock_guard<std::mutex> lock(mu_);
-    ++stats_.fetches;
-    for (HostBlock* hb : blocks) {
-      if (hb == nullptr) continue;
-      auto& f = hb->fences;
-      f.erase(std::remove_if(f.begin(), f.end(), [](const EventPtr& e) { return e->query(); }),
-              f.end());
-      f.push_back(done);
-    }
-  }
-  std::vector<std::shared_ptr<std::atomic<bool>>> torn;
-  for (HostBlock* hb : blocks) {
-    if (hb != nullptr && hb->torn) torn.push_back(hb->torn);
-  }
-  if (wait && done) {
-    backend_->current_wait(device, done);
-    check_torn(torn);
-  }
-  return {std::move(out), done, std::move(torn)};
+  if (wait && last) backend_->current_wait(device, last);
+  return {std::move(out), last};
 }
 
 }  // namespace offcache

@@ -1,4 +1,7 @@
-// Engine::store: D2H into the pinned arena (or a peer GPU), deduplicated.
+// Engine::store: a snapshot on the producer's stream, drained D2H into the
+// pinned arena (or copied to a peer GPU), deduplicated.
+#include <c10/util/Exception.h>
+
 #include <algorithm>
 
 #include "engine.h"
@@ -20,7 +23,7 @@ std::vector<at::Tensor> Engine::store(const std::vector<at::Tensor>& values, c10
   std::unordered_map<const c10::TensorImpl*, size_t> first;  // repeats within this call
   std::vector<std::pair<size_t, size_t>> repeats;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    auto l = lock();
     ++stats_.stores;
     for (size_t i = 0; i < values.size(); ++i) {
       const at::Tensor& v = values[i];
@@ -41,27 +44,40 @@ std::vector<at::Tensor> Engine::store(const std::vector<at::Tensor>& values, c10
     for (size_t i : misses) sources.push_back(values[i]);
     std::vector<bool> stored;
     auto copies = store_to_host(sources, allow_spill, &stored);
-    std::lock_guard<std::mutex> lock(mu_);
+    auto l = lock();
     for (size_t k = 0; k < misses.size(); ++k) {
       out[misses[k]] = std::move(copies[k]);
       if (stored[k]) dedup_.insert(values[misses[k]], out[misses[k]], target);
     }
   } else {
     for (size_t i : misses) {
-      out[i] = values[i].device() == target ? values[i] : store_to_device(values[i], target);
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!out[i].is_same(values[i])) dedup_.insert(values[i], out[i], target);
+      out[i] = store_to_device(values[i], target);
+      auto l = lock();
+      dedup_.insert(values[i], out[i], target);
     }
   }
   for (auto [i, j] : repeats) out[i] = out[j];
   return out;
 }
 
+namespace {
+
+// One value's part in a store: its materialised source and where it goes.
+struct Item {
+  size_t index;      // into the store's values
+  at::Tensor dense;  // conj/neg resolved, dense (the value itself when it already was)
+  bool fresh;        // `dense` is a private copy: already a snapshot
+  size_t offset;     // in its host block
+};
+
+}  // namespace
+
 std::vector<at::Tensor> Engine::store_to_host(const std::vector<at::Tensor>& values,
                                               bool allow_spill, std::vector<bool>* stored) {
   std::vector<at::Tensor> out(values.size());
   stored->assign(values.size(), false);
-  // Group by source device: each group is one batch on that device's D2H stream.
+  // Group by source device: each group is snapshotted on that device's current
+  // stream and drained on its D2H stream.
   std::vector<c10::Device> devices;
   for (const auto& v : values) {
     if (std::find(devices.begin(), devices.end(), v.device()) == devices.end()) {
@@ -69,102 +85,137 @@ std::vector<at::Tensor> Engine::store_to_host(const std::vector<at::Tensor>& val
     }
   }
   for (c10::Device device : devices) {
-    std::vector<size_t> small, large;
+    // A source still being written by an earlier offcache copy is read only after it.
+    std::vector<EventPtr> pending;
+    {
+      auto l = lock();
+      for (const auto& v : values) {
+        if (v.device() != device) continue;
+        if (EventPtr e = pending_write_of(v)) pending.push_back(std::move(e));
+      }
+    }
+    for (const auto& e : pending) backend_->current_wait(device, e);
+
+    // Layout: small values packed into blocks of at most kPackPieceBytes; one block per large value.
+    std::vector<std::vector<Item>> groups;
+    std::vector<Item> small;
+    size_t piece = 0;
+    auto close_piece = [&] {
+      if (!small.empty()) groups.push_back(std::move(small));
+      small.clear();
+      piece = 0;
+    };
     for (size_t i = 0; i < values.size(); ++i) {
       if (values[i].device() != device) continue;
-      if (values[i].numel() == 0) {
-        out[i] = at::empty(values[i].sizes(), values[i].options().device(c10::kCPU));
+      at::Tensor d = materialized(values[i].detach());
+      if (d.numel() == 0) {
+        out[i] = keep_flags(empty_like_on(d, c10::kCPU), values[i]);
         (*stored)[i] = true;
-      } else {
-        (values[i].nbytes() < kPackBytes ? small : large).push_back(i);
-      }
-    }
-    // Layout: one packed block for the small values, one block per large value.
-    std::vector<std::vector<size_t>> groups;
-    if (!small.empty()) groups.push_back(small);
-    for (size_t i : large) groups.push_back({i});
-
-    std::vector<CopyOp> ops;
-    std::vector<EventPtr> deps;
-    std::vector<at::Tensor> keepalive;
-    std::vector<HostBlock*> blocks;
-    // Sources the copy reads directly, with their versions: an in-place edit
-    // enqueued before the copy finished may tear the stored copy.
-    std::vector<std::pair<const c10::TensorImpl*, uint32_t>> watched;
-    auto torn = std::make_shared<std::atomic<bool>>(false);
-    size_t bytes = 0;
-    for (const auto& group : groups) {
-      std::vector<size_t> offsets;
-      size_t total = 0;
-      for (size_t i : group) {
-        offsets.push_back(total);
-        total = align_up(total + values[i].nbytes(), kPackAlign);
-      }
-      HostBlock* hb;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        hb = allocate_host(total, allow_spill);
-        note_peaks_locked();
-      }
-      if (hb == nullptr) {  // arena full and spilling not allowed: keep as is
-        for (size_t i : group) out[i] = values[i];
         continue;
       }
-      blocks.push_back(hb);
-      c10::Storage storage = make_host_storage(hb);
-      for (size_t k = 0; k < group.size(); ++k) {
-        const size_t i = group[k];
-        Source src = resolve_source(values[i]);
-        if (src.dep) deps.push_back(src.dep);
-        if (src.tensor.is_same(values[i]) && !values[i].is_inference()) {
-          const auto* impl = values[i].unsafeGetTensorImpl();
-          watched.emplace_back(impl, impl->version_counter().current_version());
-        }
-        ops.push_back(CopyOp{static_cast<char*>(hb->block.ptr) + offsets[k], src.tensor.data_ptr(),
-                             values[i].nbytes()});
-        bytes += values[i].nbytes();
-        keepalive.push_back(std::move(src.tensor));
-        out[i] = view_of(storage, offsets[k], values[i]);
-        (*stored)[i] = true;
+      Item item{i, d, !d.is_alias_of(values[i]), 0};
+      const size_t n = d.nbytes();
+      if (n >= kPackBytes) {
+        groups.push_back({std::move(item)});
+        continue;
       }
+      if (piece + n > kPackPieceBytes) close_piece();
+      item.offset = piece;
+      piece = align_up(piece + n, kPackAlign);
+      small.push_back(std::move(item));
     }
-    if (ops.empty()) continue;
-    // Producer stream -> event -> D2H copy stream.
-    deps.push_back(backend_->record_current(device));
-    // The sources stay alive (keepalive) until `done`, which follows the check.
-    auto check = [watched = std::move(watched), torn] {
-      for (const auto& [impl, version] : watched) {
-        if (impl->version_counter().current_version() != version) torn->store(true);
+    close_piece();
+
+    for (auto& group : groups) {
+      const Item& last = group.back();
+      const size_t total = last.offset + last.dense.nbytes();
+      HostBlock* hb = allocate_host(total, allow_spill);
+      if (hb == nullptr) {  // arena full and spilling not allowed: keep as is
+        for (const Item& it : group) out[it.index] = values[it.index];
+        continue;
       }
-    };
-    EventPtr done = issue(Dir::kStore, stream_device(device, c10::kCPU), deps, ops, bytes,
-                          std::move(keepalive), std::move(check));
-    std::lock_guard<std::mutex> lock(mu_);
-    for (HostBlock* hb : blocks) {
+      c10::Storage storage = make_host_storage(hb);
+      for (const Item& it : group) {
+        out[it.index] = keep_flags(view_of(storage, it.offset, it.dense), values[it.index]);
+        (*stored)[it.index] = true;
+      }
+      throttle(total);  // staging memory is bounded by the in-flight bound
+      // Snapshot: the group's bytes, laid out like the block, copied now in the
+      // producer's stream order (on the CPU, by this thread). A value that is a
+      // private copy already (resolved or made dense) needs none when alone.
+      std::vector<at::Tensor> keepalive;
+      std::vector<CopyOp> ops;
+      bool direct = false;  // no staging memory: the producer waits for the copy instead
+      if (group.size() == 1 && group[0].fresh) {
+        keepalive.push_back(group[0].dense);
+      } else {
+        try {
+          at::Tensor staging =
+              at::empty({static_cast<int64_t>(total)}, at::TensorOptions().dtype(at::kByte).device(device));
+          std::vector<at::Tensor> dst, src;
+          for (const Item& it : group) {
+            dst.push_back(staging.narrow(0, static_cast<int64_t>(it.offset),
+                                         static_cast<int64_t>(it.dense.nbytes())));
+            src.push_back(bytes_of(it.dense));
+          }
+          at::_foreach_copy_(dst, src);
+          keepalive.push_back(std::move(staging));
+          auto l = lock();
+          stats_.snapshot_bytes += total;
+        } catch (const c10::OutOfMemoryError&) {
+          direct = true;
+          for (const Item& it : group) keepalive.push_back(it.dense);
+          auto l = lock();
+          ++stats_.snapshot_fallbacks;
+        }
+      }
+      if (keepalive.size() == 1 && !direct) {
+        const at::Tensor& k = keepalive[0];
+        ops.push_back(CopyOp{hb->block.ptr, k.data_ptr(), k.nbytes()});
+      } else {
+        for (const Item& it : group) {
+          ops.push_back(CopyOp{static_cast<char*>(hb->block.ptr) + it.offset, it.dense.data_ptr(),
+                               it.dense.nbytes()});
+        }
+      }
+      // Producer stream -> event -> D2H copy stream.
+      CopyStream& stream = backend_->copy_stream(Dir::kStore, device);
+      EventPtr done = issue(Dir::kStore, stream, {backend_->record_current(device)}, ops,
+                            std::move(keepalive));
+      // Without a snapshot, later work on the producer stream may not touch the
+      // sources before the copy has read them.
+      if (direct) backend_->current_wait(device, done);
+      auto l = lock();
       hb->stored = done;
-      hb->torn = torn;
-      hb->fences.push_back(done);
+      hb->add_fence(done);
     }
   }
   return out;
 }
 
 at::Tensor Engine::store_to_device(const at::Tensor& value, c10::Device target) {
-  // Offload to another GPU: a peer copy on the source device's D2H stream.
-  Source src = resolve_source(value);
-  at::Tensor dst = at::empty(value.sizes(), value.options().device(target));
+  // Offload to a GPU: a snapshot, then (to another GPU) a peer copy on the
+  // source device's D2H stream.
+  EventPtr pending;
+  {
+    auto l = lock();
+    pending = pending_write_of(value);
+  }
+  backend_->current_wait(value.device(), pending);
+  at::Tensor src = materialized(value.detach());
+  if (src.is_alias_of(value)) src = src.clone(at::MemoryFormat::Preserve);  // the snapshot
+  if (value.device() == target) return keep_flags(src, value);
+  at::Tensor dst = empty_like_on(src, target);
+  if (value.numel() == 0) return keep_flags(dst, value);
+  backend_->enable_peer_access(value.device(), target);
+  const c10::Device device = stream_device(value.device(), target);
   // The copy waits for the producer, and for work already queued on the target's
   // stream: `dst` came from that stream's pool, where freed memory may still be in use.
-  std::vector<EventPtr> deps{backend_->record_current(value.device()),
-                             backend_->record_current(target)};
-  if (src.dep) deps.push_back(src.dep);
-  if (value.numel() == 0) return dst;
-  const c10::Device device = stream_device(value.device(), target);
-  EventPtr done = issue(Dir::kStore, device, deps,
-                        {CopyOp{dst.data_ptr(), src.tensor.data_ptr(), value.nbytes()}},
-                        value.nbytes(), {src.tensor, dst});
-  if (value.requires_grad()) dst.set_requires_grad(true);
-  std::lock_guard<std::mutex> lock(mu_);
+  EventPtr done = issue(Dir::kStore, backend_->copy_stream(Dir::kStore, device),
+                        {backend_->record_current(value.device()), backend_->record_current(target)},
+                        {CopyOp{dst.data_ptr(), src.data_ptr(), src.nbytes()}}, {src, dst});
+  keep_flags(dst, value);
+  auto l = lock();
   device_stores_.insert_or_assign(dst.storage().unsafeGetStorageImpl(),
                                   std::make_pair(dst.storage().getWeakStorageImpl(), done));
   for (auto it = device_stores_.begin(); it != device_stores_.end();) {

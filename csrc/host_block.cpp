@@ -2,6 +2,8 @@
 
 #include <ATen/Tensor.h>
 
+#include <algorithm>
+
 #include "engine.h"
 
 namespace offcache {
@@ -13,6 +15,13 @@ void delete_host_block(void* ctx) {
 }
 
 }  // namespace
+
+void HostBlock::add_fence(const EventPtr& event) {
+  if (std::find(fences.begin(), fences.end(), event) != fences.end()) return;
+  fences.erase(std::remove_if(fences.begin(), fences.end(), [](const EventPtr& e) { return e->query(); }),
+               fences.end());
+  fences.push_back(event);
+}
 
 c10::Storage make_host_storage(HostBlock* block) {
   c10::DataPtr data(block->block.ptr, block, &delete_host_block, c10::Device(c10::kCPU));

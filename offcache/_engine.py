@@ -41,12 +41,14 @@ __all__ = [
     "backend_name",
     "build_info",
     "configure",
+    "copy_into",
     "empty_cache",
     "fetch",
     "is_arena_tensor",
     "is_offcache_tensor",
     "parse_size",
     "set_pinned_limit",
+    "set_timing",
     "stats",
     "store",
     "synchronize",
@@ -250,6 +252,27 @@ def fetch(stored: Sequence[Tensor], device: torch.device, wait: bool = True) -> 
     return _C.fetch(list(stored), device, wait)
 
 
+def copy_into(dsts: Sequence[Tensor], srcs: Sequence[Tensor], wait: bool = False) -> Ticket:
+    """Copy srcs[i] into the existing tensor dsts[i] (same shape and dtype) on the engine's copy streams.
+
+    Device -> host pairs run on the D2H stream after the work queued on the source's current
+    stream; host -> device pairs on the H2D stream after the work queued on the destination's
+    current stream and after any copy still writing the source. Host memory must be offcache's
+    (a view of a tensor returned by store(): the pinned arena). Views are allowed when each side
+    is rows of contiguous bytes at one pitch (e.g. ``x[:, :, a:b, :]`` of a contiguous
+    ``[B, H, S, D]``): one 2-D copy call per pair. Sources are kept alive until the copy
+    completes and must not be modified before then (no snapshot is taken). wait=True: the
+    current stream (of the destination's device) waits for the copy; else ``ticket.wait()`` does.
+    Bytes count in stats()' d2h_bytes / h2d_bytes.
+    """
+    return _C.copy_into(list(dsts), list(srcs), wait)
+
+
+def set_timing(on: bool) -> None:
+    """Time every copy batch with timed events (stats' d2h_seconds / h2d_seconds). Off by default."""
+    _C.set_timing(bool(on))
+
+
 def wait_stored(t: Tensor) -> None:
     """Block until the store that produced `t` has written it, so it can be read directly."""
     _C.wait_stored(t)
@@ -273,6 +296,11 @@ def trace_start(device: torch.device) -> None:
 def trace_stop() -> list[dict]:
     """The copy batches since trace_start: stream ('d2h'/'h2d'), bytes, start_ms, end_ms."""
     return _C.trace_stop()
+
+
+def _fail_next_copy() -> None:
+    """Tests only: the next host-backend copy call queues its copies, then raises."""
+    _C._fail_next_copy()
 
 
 def warn_if_spilled(stacklevel: int = 2) -> None:

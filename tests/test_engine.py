@@ -117,15 +117,15 @@ def test_reading_a_stored_value_waits_for_its_store(host_engine):
     assert torch.equal(cache.batch_intermediates[0]["x"].value, x)  # .value waits
 
 
-def test_edit_during_in_flight_store_raises_instead_of_returning_torn_data(host_engine):
+def test_edit_during_in_flight_store_does_not_change_the_stored_value(host_engine):
     host_engine(backend="host", host_copy_delay_us=50000)
     x = torch.zeros(1000)
     (a,) = _engine.store([x], CPU)
-    x.fill_(1.0)  # the copy has not started yet: its delay is still running
-    with pytest.raises(RuntimeError, match="modified in place while its store"):
-        _engine.fetch([a], CPU, True)
-    with pytest.raises(RuntimeError, match="modified in place while its store"):
-        _engine.wait_stored(a)
+    x.fill_(1.0)  # the drain has not started yet: its delay is still running
+    (b,), _ = _engine.fetch([a], CPU, True)
+    assert torch.equal(b, torch.zeros(1000))
+    _engine.wait_stored(a)
+    assert torch.equal(a, torch.zeros(1000))
 
 
 def test_edit_after_store_completed_is_fine(host_engine):
@@ -332,7 +332,8 @@ def test_unknown_backend_is_rejected():
 def test_build_info():
     info = offcache.build_info()
     assert set(info) >= {"version", "torch", "cuda", "cuda_version", "backend"}
-    assert info["version"] == offcache.__version__
+    assert info["version"].split("+")[0] == offcache.__version__
+    assert info["version"].endswith("+cpu") or info["version"].endswith("+cu" + (info["cuda_version"] or "").replace(".", ""))
     assert info["backend"] in ("host", "cuda")
     if info["cuda"]:
         assert torch.version.cuda is not None and info["cuda_version"]

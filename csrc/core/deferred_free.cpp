@@ -21,6 +21,15 @@ void DeferredFrees::wait_all() {
   }
 }
 
+EventPtr DeferredFrees::oldest_fence() const {
+  for (const auto& p : pending_) {
+    for (const auto& e : p.fences) {
+      if (e && !e->query()) return e;
+    }
+  }
+  return nullptr;
+}
+
 size_t DeferredFrees::bytes() const {
   size_t total = 0;
   for (const auto& p : pending_) total += p.block.size;

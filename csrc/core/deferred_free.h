@@ -16,21 +16,27 @@ class DeferredFrees {
   // Releases every block whose fences are complete; returns how many.
   template <class Release>
   size_t reclaim(Release&& release) {
-    size_t n = 0;
-    for (size_t i = 0; i < pending_.size();) {
+    // Stable compaction: the pending list stays oldest first.
+    size_t kept = 0, n = 0;
+    for (size_t i = 0; i < pending_.size(); ++i) {
       if (done(pending_[i])) {
         release(pending_[i].block);
-        pending_[i] = std::move(pending_.back());
-        pending_.pop_back();
         ++n;
       } else {
-        ++i;
+        if (kept != i) pending_[kept] = std::move(pending_[i]);
+        ++kept;
       }
     }
+    pending_.resize(kept);
     return n;
   }
   // Blocks until the fences of every pending block complete (host waits).
   void wait_all();
+  // A fence of the oldest pending block that has not completed (null if none):
+  // waiting for it, without a lock, frees memory soonest.
+  EventPtr oldest_fence() const;
+  // Drops every pending block without releasing it (their copies' fate is unknown).
+  void forget() { pending_.clear(); }
   size_t size() const { return pending_.size(); }
   size_t bytes() const;
 

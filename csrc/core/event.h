@@ -18,6 +18,9 @@ class Event {
   virtual bool query() = 0;
   // Blocks the calling host thread until query() is true.
   virtual void wait() = 0;
+  // Makes the current stream of GPU `device` wait for the event (device < 0:
+  // the calling thread, which blocks). A host event always blocks.
+  virtual void wait_current(int /*device*/) { wait(); }
   // Milliseconds between `start` and this event; both must be complete.
   virtual double elapsed_ms_since(Event& start) = 0;
 };

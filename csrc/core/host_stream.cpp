@@ -1,23 +1,60 @@
 #include "host_stream.h"
 
+#include <pthread.h>
+
+#include <algorithm>
 #include <chrono>
+#include <vector>
 
 namespace offcache {
+namespace {
 
-HostStream::HostStream() : worker_([this] { run(); }) {}
+// Every live stream, for the fork handlers.
+std::mutex& registry_mu() {
+  static std::mutex mu;
+  return mu;
+}
+std::vector<HostStream*>& registry() {
+  static std::vector<HostStream*> streams;
+  return streams;
+}
+std::once_flag g_atfork_once;
+
+}  // namespace
+
+HostStream::HostStream() {
+  std::call_once(g_atfork_once, [] {
+    pthread_atfork(&HostStream::before_fork, &HostStream::after_fork_parent,
+                   &HostStream::after_fork_child);
+  });
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    start_worker_locked();
+  }
+  std::lock_guard<std::mutex> lock(registry_mu());
+  registry().push_back(this);
+}
 
 HostStream::~HostStream() {
+  {
+    std::lock_guard<std::mutex> lock(registry_mu());
+    auto& r = registry();
+    r.erase(std::remove(r.begin(), r.end(), this), r.end());
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
   }
   cv_.notify_all();
-  worker_.join();
+  if (worker_) worker_->join();
 }
+
+void HostStream::start_worker_locked() { worker_ = std::make_unique<std::thread>([this] { run(); }); }
 
 void HostStream::submit(std::function<void()> task) {
   {
     std::lock_guard<std::mutex> lock(mu_);
+    if (!worker_) start_worker_locked();  // first use in a forked child
     tasks_.push_back(std::move(task));
   }
   cv_.notify_one();
@@ -46,21 +83,59 @@ void HostStream::run() {
     std::function<void()> task;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      if (tasks_.empty() && !stop_) {
-        if (clock::now() - last_work < kSpin) {
+      running_ = false;
+      idle_cv_.notify_all();
+      if ((tasks_.empty() || paused_) && !stop_) {
+        if (!paused_ && clock::now() - last_work < kSpin) {
           lock.unlock();
           std::this_thread::yield();
           continue;
         }
-        cv_.wait(lock, [this] { return stop_ || !tasks_.empty(); });
+        cv_.wait(lock, [this] { return stop_ || (!tasks_.empty() && !paused_); });
       }
       if (tasks_.empty()) return;  // stop_ and drained
       task = std::move(tasks_.front());
       tasks_.pop_front();
+      running_ = true;
     }
     task();
     last_work = clock::now();
   }
+}
+
+void HostStream::before_fork() {
+  registry_mu().lock();
+  // Drain first (a queued task may wait on another stream's event), then hold
+  // every stream idle with its lock taken, so no task is half-run at fork().
+  for (HostStream* s : registry()) s->synchronize();
+  for (HostStream* s : registry()) {
+    std::unique_lock<std::mutex> lock(s->mu_);
+    s->paused_ = true;
+    s->idle_cv_.wait(lock, [s] { return !s->running_; });
+    lock.release();  // stays locked until after fork()
+  }
+}
+
+void HostStream::after_fork_parent() {
+  for (HostStream* s : registry()) {
+    s->paused_ = false;
+    s->mu_.unlock();
+    s->cv_.notify_all();
+  }
+  registry_mu().unlock();
+}
+
+void HostStream::after_fork_child() {
+  for (HostStream* s : registry()) {
+    s->paused_ = false;
+    s->running_ = false;
+    // The worker thread does not exist in the child: forget its handle (it
+    // cannot be joined) and let the next submit start a new one.
+    (void)s->worker_.release();
+    if (!s->tasks_.empty()) s->start_worker_locked();
+    s->mu_.unlock();
+  }
+  registry_mu().unlock();
 }
 
 }  // namespace offcache
