@@ -33,30 +33,6 @@ from offcache import _engine
 _CPU = torch.device("cpu")
 
 
-class _Done:
-    """The ticket of a copy that already completed (the fallback below copies synchronously)."""
-
-    def wait(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-
-def _fallback_copy_into(dsts, srcs, wait: bool = False):
-    """``_engine.copy_into``'s semantics with one ``dst.copy_(src)`` per pair, until the engine has it."""
-    if len(dsts) != len(srcs):
-        raise ValueError(f"copy_into: {len(dsts)} destinations for {len(srcs)} sources")
-    for dst, src in zip(dsts, srcs):
-        if dst.shape != src.shape or dst.dtype != src.dtype:
-            raise ValueError(f"copy_into: {tuple(src.shape)} {src.dtype} into {tuple(dst.shape)} {dst.dtype}")
-        dst.copy_(src)
-    return _Done()
-
-
-_copy_into = getattr(_engine, "copy_into", None) or _fallback_copy_into
-
-
 class _Buffers:
     """Two device buffers of one layer's K/V shape, alternating between the layers that share them."""
 
@@ -114,7 +90,7 @@ class _StaticOffloaded:
             return
         bufs = self._buffers
         i = 1 - bufs.current
-        ticket = _copy_into(
+        ticket = _engine.copy_into(
             [bufs.k[i][:, :, :n], bufs.v[i][:, :, :n]], [self._host_k[:, :, :n], self._host_v[:, :, :n]], False
         )
         bufs.written[i] = max(bufs.written[i], n)
@@ -136,7 +112,7 @@ class _StaticOffloaded:
                 pre[2].wait()  # a stale prefetch: ordered before anything touches its buffer again
             i = 1 - bufs.current
             if n:
-                _copy_into([bufs.k[i][:, :, :n], bufs.v[i][:, :, :n]],
+                _engine.copy_into([bufs.k[i][:, :, :n], bufs.v[i][:, :, :n]],
                            [self._host_k[:, :, :n], self._host_v[:, :, :n]], True)  # fmt: skip
         bufs.current, bufs.reserved = i, None
         k, v = bufs.k[i], bufs.v[i]
@@ -153,7 +129,7 @@ class _StaticOffloaded:
         # copy is done and nothing else writes to them, whereas a device buffer is rewritten by the
         # next layers and a compiled graph's output by its next replay.
         srcs = [t.clone(memory_format=torch.contiguous_format) for t in (key_states, value_states)]
-        _copy_into([self._host_k[:, :, start:end], self._host_v[:, :, start:end]], srcs, False)
+        _engine.copy_into([self._host_k[:, :, start:end], self._host_v[:, :, start:end]], srcs, False)
 
     def _drop_prefetch(self) -> None:
         if self._prefetched is not None:

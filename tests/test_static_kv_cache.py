@@ -12,9 +12,6 @@ transformers = pytest.importorskip("transformers")
 
 # The default and host engines (the slow 1 MiB configuration adds nothing here).
 both_backends = pytest.mark.parametrize("engine", ["default", "host"], indirect=True)
-needs_copy_into = pytest.mark.xfail(
-    not hasattr(_engine, "copy_into"), reason="needs _engine.copy_into (the fallback copies outside the engine)"
-)
 
 
 def tiny_model(kind: str, device=None):
@@ -62,6 +59,17 @@ def test_tokens_and_logits_identical_to_static_cache(engine, kind, offload_slidi
     got = generate(model, ids, cache, new)
     assert_same(got, want)
     assert got.sequences.shape[1] == prompt + new
+
+
+@pytest.mark.parametrize("engine", ["host-1MiB-slow"], indirect=True)
+@pytest.mark.parametrize("kind, offload_sliding", [("llama", False), ("mistral", True)])
+def test_identical_with_slow_copies(engine, kind, offload_sliding):
+    """Copies slowed down: every read of the arena or a buffer must wait for the copy that writes it."""
+    model = tiny_model(kind)
+    ids = random_ids(2, 6, seed=11)
+    want = generate(model, ids, transformers.StaticCache(config=model.config, max_cache_len=64), 16)
+    cache = OffloadedStaticKVCache(config=model.config, max_cache_len=64, offload_sliding=offload_sliding)
+    assert_same(generate(model, ids, cache, 16), want)
 
 
 def test_layer_kinds_memory_and_arena_contents():
@@ -114,7 +122,6 @@ def step_bytes(cache):
     return layer.batch_size * layer.num_heads * (layer.k_head_dim + layer.v_head_dim) * layer.keys.element_size()
 
 
-@needs_copy_into
 @both_backends
 @pytest.mark.parametrize("batch", [1, 3])
 def test_traffic_is_new_tokens_down_and_filled_prefix_up(engine, batch):
@@ -143,7 +150,6 @@ def test_traffic_is_new_tokens_down_and_filled_prefix_up(engine, batch):
             ids = logits[:, -1:].argmax(-1)
 
 
-@needs_copy_into
 @both_backends
 def test_traffic_of_a_whole_generation(engine):
     """Over prompt p and k new tokens: D2H = (p + k - 1) tokens, H2D = each step's prefix (+ one prefetch)."""
