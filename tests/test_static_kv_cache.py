@@ -235,3 +235,20 @@ def test_identical_to_static_cache_on_cuda(kind, offload_sliding):
                                                       offload_sliding=offload_sliding), 24)  # fmt: skip
     torch._dynamo.reset()
     assert torch.equal(got.sequences, want.sequences)
+
+
+def test_static_traffic_arithmetic_and_cli(capsys):
+    from offcache.kv import main, static_traffic
+
+    t = static_traffic(32, 1, 8192, 32768, 8, 128, torch.bfloat16)
+    assert t["offcache_d2h"] == 2 * 32 * 8 * 128 * 2  # one token's K and V in 32 layers
+    assert t["offcache_h2d"] == 1 << 30  # the filled 8192 tokens
+    assert t["transformers_d2h"] == t["transformers_h2d"] == 4 << 30  # all 32768 positions
+    with pytest.raises(ValueError, match="max_cache_len"):
+        static_traffic(1, 1, 9, 8, 1, 1)
+    main(["size", "--layers", "32", "--tokens", "8192", "--kv-heads", "8", "--head-dim", "128",
+          "--max-cache-len", "32768", "--bandwidth-gbps", "50"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "D2H 131072 bytes, H2D 1073741824 bytes (21.475 ms H2D" in out
+    assert "D2H 4294967296 bytes, H2D 4294967296 bytes (85.899 ms H2D" in out
+    assert "4.00x" in out

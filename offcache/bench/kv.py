@@ -76,19 +76,6 @@ def _static_caches(model, max_cache_len: int, compiled: bool = False):
     return impls
 
 
-def _whole_layers_bytes(cache) -> int | None:
-    """transformers' offloading moves each offloaded layer whole, both ways, every step: its bytes."""
-    if not getattr(cache, "offloading", False):
-        return 0 if type(cache).__name__ in ("StaticCache", "DynamicCache") else None
-    if type(cache).__name__ != "StaticCache":
-        return None  # the dynamic one moves a growing cache: not a per-step constant
-    return sum(
-        layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
-        for layer, sliding in zip(cache.layers, cache.is_sliding)
-        if layer.is_initialized and not (sliding and cache.only_non_sliding)
-    )
-
-
 def _run(ctx: Context, model, ids, make_cache, new_tokens: int, **generate_kwargs) -> dict:
     import transformers
 
@@ -118,8 +105,7 @@ def _run(ctx: Context, model, ids, make_cache, new_tokens: int, **generate_kwarg
         # (layer 0's prefix for the next step is prefetched during the last layer of this one).
         (d0, h0), (d1, h1) = clock.copied[0], clock.copied[-1]
         row["d2h_bytes_per_step"], row["h2d_bytes_per_step"] = (d1 - d0) / steps, (h1 - h0) / steps
-    elif (whole := _whole_layers_bytes(cache)) is not None:
-        row["d2h_bytes_per_step"] = row["h2d_bytes_per_step"] = whole
+        row["bytes_from"] = "offcache.stats()"
     if ctx.gpu:
         row["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(ctx.device)
     return row, out
@@ -156,7 +142,7 @@ def run_case(ctx: Context, model, case: str, prompt: int, new_tokens: int, repea
             repeats=repeats,
             host_max_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         )
-        for key in ("d2h_bytes_per_step", "h2d_bytes_per_step"):
+        for key in ("d2h_bytes_per_step", "h2d_bytes_per_step", "bytes_from"):
             if key in runs[-1]:
                 row[key] = runs[-1][key]
         if ctx.gpu:
@@ -176,8 +162,15 @@ def run_static_cases(ctx: Context, model, cases, repeats: int) -> list[dict]:
         compiled = case.endswith("_compiled")
         caches = _static_caches(model, max_len, compiled)
         extra = {} if compiled else {"disable_compile": True}
+        # transformers' static offloading moves every full-attention layer whole, both ways, each step
+        # (the bench model has no sliding layers): computed, whether or not it could run here.
+        whole = offcache.kv_bytes_for_config(model.config, 1, max_len, model.dtype)
         for r in run_case(ctx, model, case, prompt, new, repeats, caches, reference="static", **extra):
             r["max_cache_len"] = max_len
+            if r["impl"] == "static":
+                r.update(d2h_bytes_per_step=0, h2d_bytes_per_step=0, bytes_from="resident")
+            elif r["impl"] == "transformers_static_offloaded":
+                r.update(d2h_bytes_per_step=whole, h2d_bytes_per_step=whole, bytes_from="buffer sizes")
             rows.append(r)
     return rows
 
