@@ -17,10 +17,14 @@
 Sliding-window layers stay resident unless ``offload_sliding=True`` (then their window
 moves: new positions while it fills, the whole rolled window once it is full).
 
-torch.compile: ``update`` is excluded from compilation (``torch.compiler.disable``),
-so a compiled forward breaks its graph once per attention layer, at the cache call.
-CUDA graphs are not supported: the engine's bookkeeping runs on the host at every
-update, which a graph replay would skip.
+torch.compile: ``update`` is excluded from compilation (``torch.compiler.disable``) and
+runs eagerly, so a compiled forward breaks its graph at each ``past_key_values.update``
+call, one per attention layer (dynamo splits the enclosing decoder-layer and model frames
+there too: about 3 graphs per layer). A CUDA graph cannot contain the cache call (the
+engine's bookkeeping runs on the host at every update, which a replay would skip), so a
+whole-forward CUDA graph is impossible; ``generate`` on a GPU compiles the forward itself
+(mode "reduce-overhead": CUDA graphs for the pieces between cache calls), which the
+``gpu``-marked test checks for equal tokens.
 """
 
 from __future__ import annotations
@@ -112,14 +116,17 @@ class _StaticOffloaded:
                 pre[2].wait()  # a stale prefetch: ordered before anything touches its buffer again
             i = 1 - bufs.current
             if n:
-                _engine.copy_into([bufs.k[i][:, :, :n], bufs.v[i][:, :, :n]],
-                           [self._host_k[:, :, :n], self._host_v[:, :, :n]], True)  # fmt: skip
+                dsts, srcs = (
+                    [bufs.k[i][:, :, :n], bufs.v[i][:, :, :n]],
+                    [self._host_k[:, :, :n], self._host_v[:, :, :n]],
+                )
+                _engine.copy_into(dsts, srcs, True)
         bufs.current, bufs.reserved = i, None
         k, v = bufs.k[i], bufs.v[i]
         if bufs.written[i] > valid_after:  # left by a longer sequence (after reset()): zero it again
             k[:, :, valid_after : bufs.written[i]].zero_()
             v[:, :, valid_after : bufs.written[i]].zero_()
-        bufs.written[i] = max(valid_after, n)
+        bufs.written[i] = valid_after  # >= n: the update writes [n, valid_after)
         return k, v
 
     def _store_positions(self, start: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -274,7 +281,7 @@ class OffloadedStaticKVCache(StaticCache):
     def _unsupported(self, what: str):
         raise NotImplementedError(f"OffloadedStaticKVCache does not support {what}")
 
-    def crop(self, max_length: int) -> None:
+    def crop(self, tokens_to_remove: int) -> None:
         self._unsupported("cropping (assisted decoding)")
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
