@@ -24,10 +24,10 @@ from offcache.patch import patch_llmcompressor, unpatch_llmcompressor
 
 def __getattr__(name):
     # OffloadedKVCache needs transformers: imported on first use only.
-    if name == "OffloadedKVCache":
-        from offcache.kv_cache import OffloadedKVCache
+    if name in ("OffloadedKVCache", "OffloadedStaticKVCache"):
+        from offcache import kv_cache
 
-        return OffloadedKVCache
+        return getattr(kv_cache, name)
     raise AttributeError(f"module 'offcache' has no attribute {name!r}")
 
 
@@ -35,6 +35,7 @@ __all__ = [
     "IntermediateValue",
     "IntermediatesCache",
     "OffloadedKVCache",
+    "OffloadedStaticKVCache",
     "SpillWarning",
     "build_info",
     "configure",

@@ -22,6 +22,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 from offcache import _engine
+from offcache.static_kv_cache import OffloadedStaticKVCache  # noqa: F401  (the static one, for offcache.__getattr__)
 
 _CPU = torch.device("cpu")
 

@@ -1,11 +1,17 @@
 """Section kv (``python -m offcache.bench kv``): the measurement protocol for offloaded KV caches.
 
 Held fixed: model, dtype, prompt tokens, max_new_tokens and greedy decoding.
-Compared: DynamicCache, transformers' offloaded cache, offcache.OffloadedKVCache.
+Compared, dynamic cases: DynamicCache, transformers' offloaded cache, offcache.OffloadedKVCache;
+static cases (``static``: max_cache_len = the filled length; ``static_4x``: 4x it): StaticCache
+resident, StaticCache(offloading=True), offcache.OffloadedStaticKVCache, with generate's
+automatic compilation off (eager forward: the rows differ only by cache; on a GPU the
+``static_compiled`` case turns it back on).
 Recorded per implementation: completion (an OOM is a failure, not speed 0),
 tokens generated, peak GPU and host memory, time to first token and decode
-tokens/s (median and spread over repeats, warm-up kept apart), and whether the
-output equals DynamicCache's.
+tokens/s (median and spread over repeats, a short warm-up kept apart), bytes
+moved per decode step D2H and H2D (offcache: offcache.stats() deltas; transformers'
+offloading: its buffer sizes), and whether the output equals the reference's
+(DynamicCache for dynamic cases, StaticCache for static ones).
 """
 
 from __future__ import annotations
@@ -31,15 +37,18 @@ def _model(ctx: Context):
 
 
 class _StepClock:
-    """A logits processor that timestamps every generated token."""
+    """A logits processor that timestamps every generated token and snapshots offcache's copy counters."""
 
     def __init__(self, sync):
         self.sync = sync
         self.times: list[float] = []
+        self.copied: list[tuple[int, int]] = []  # (d2h_bytes, h2d_bytes), counted as copies are issued
 
     def __call__(self, input_ids, scores):
         self.sync()
         self.times.append(time.perf_counter())
+        s = offcache.stats()
+        self.copied.append((s["d2h_bytes"], s["h2d_bytes"]))
         return scores
 
 
@@ -53,20 +62,35 @@ def _caches(model):
     }
 
 
-def _run(ctx: Context, model, ids, make_cache, new_tokens: int) -> dict:
+def _static_caches(model, max_cache_len: int, compiled: bool = False):
+    import transformers
+
+    kw = dict(config=model.config, max_cache_len=max_cache_len)
+    impls = {
+        "static": lambda: transformers.StaticCache(**kw),
+        "transformers_static_offloaded": lambda: transformers.StaticCache(**kw, offloading=True),
+        "offcache_static": lambda: offcache.OffloadedStaticKVCache(**kw),
+    }
+    if compiled:  # generate's own torch.compile (mode reduce-overhead: CUDA graphs between the cache calls)
+        impls.pop("transformers_static_offloaded")
+    return impls
+
+
+def _run(ctx: Context, model, ids, make_cache, new_tokens: int, **generate_kwargs) -> dict:
     import transformers
 
     sync = (lambda: torch.cuda.synchronize(ctx.device)) if ctx.gpu else (lambda: None)
     clock = _StepClock(sync)
     if ctx.gpu:
         torch.cuda.reset_peak_memory_stats(ctx.device)
+    cache = make_cache()
     sync()
     start = time.perf_counter()
     with torch.no_grad():
         out = model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=make_cache(),
+            input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
             max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-            logits_processor=transformers.LogitsProcessorList([clock]),
+            logits_processor=transformers.LogitsProcessorList([clock]), **generate_kwargs,
         )  # fmt: skip
     sync()
     t = clock.times
@@ -75,22 +99,30 @@ def _run(ctx: Context, model, ids, make_cache, new_tokens: int) -> dict:
         "decode_tokens_per_s": (len(t) - 1) / (t[-1] - t[0]) if len(t) > 1 else None,
         "tokens_generated": out.shape[1] - ids.shape[1],
     }
+    steps = len(t) - 1  # forward passes after the prefill
+    if isinstance(cache, (offcache.OffloadedKVCache, offcache.OffloadedStaticKVCache)) and steps:
+        # Step i's counters are read after its forward: the deltas are the decode steps' copies
+        # (layer 0's prefix for the next step is prefetched during the last layer of this one).
+        (d0, h0), (d1, h1) = clock.copied[0], clock.copied[-1]
+        row["d2h_bytes_per_step"], row["h2d_bytes_per_step"] = (d1 - d0) / steps, (h1 - h0) / steps
+        row["bytes_from"] = "offcache.stats()"
     if ctx.gpu:
         row["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(ctx.device)
     return row, out
 
 
-def run_case(ctx: Context, model, case: str, prompt: int, new_tokens: int, repeats: int) -> list[dict]:
+def run_case(ctx: Context, model, case: str, prompt: int, new_tokens: int, repeats: int, caches=None,
+             reference: str = "dynamic", **generate_kwargs) -> list[dict]:  # fmt: skip
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(1, model.config.vocab_size, (1, prompt), generator=g).to(ctx.device)
-    rows, reference = [], None
-    for impl, make_cache in _caches(model).items():
+    rows, ref_out = [], None
+    for impl, make_cache in (caches or _caches(model)).items():
         row = {"impl": impl, "case": case, "prompt_tokens": prompt, "max_new_tokens": new_tokens}
         try:
-            _run(ctx, model, ids, make_cache, new_tokens)  # warm-up, not recorded
+            _run(ctx, model, ids, make_cache, min(new_tokens, 3), **generate_kwargs)  # warm-up, not recorded
             runs, out = [], None
             for _ in range(repeats):
-                r, out = _run(ctx, model, ids, make_cache, new_tokens)
+                r, out = _run(ctx, model, ids, make_cache, new_tokens, **generate_kwargs)
                 runs.append(r)
         except (torch.OutOfMemoryError, RuntimeError, NotImplementedError, AssertionError) as exc:
             row.update(completed=False, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
@@ -110,27 +142,59 @@ def run_case(ctx: Context, model, case: str, prompt: int, new_tokens: int, repea
             repeats=repeats,
             host_max_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         )
+        for key in ("d2h_bytes_per_step", "h2d_bytes_per_step", "bytes_from"):
+            if key in runs[-1]:
+                row[key] = runs[-1][key]
         if ctx.gpu:
             row["peak_gpu_bytes"] = max(r["peak_gpu_bytes"] for r in runs)
-        if impl == "dynamic":
-            reference = out
-        row["equal_to_dynamic"] = None if reference is None else bool(torch.equal(out, reference))
+        if impl == reference:
+            ref_out = out
+        row[f"equal_to_{reference}"] = None if ref_out is None else bool(torch.equal(out, ref_out))
         rows.append(row)
+    return rows
+
+
+def run_static_cases(ctx: Context, model, cases, repeats: int) -> list[dict]:
+    """StaticCache resident, transformers' static offloading and offcache's, at each max_cache_len."""
+    rows = []
+    for case, prompt, new, factor in cases:
+        max_len = factor * (prompt + new)
+        compiled = case.endswith("_compiled")
+        caches = _static_caches(model, max_len, compiled)
+        extra = {} if compiled else {"disable_compile": True}
+        # transformers' static offloading moves every full-attention layer whole, both ways, each step
+        # (the bench model has no sliding layers): computed, whether or not it could run here.
+        whole = offcache.kv_bytes_for_config(model.config, 1, max_len, model.dtype)
+        for r in run_case(ctx, model, case, prompt, new, repeats, caches, reference="static", **extra):
+            r["max_cache_len"] = max_len
+            if r["impl"] == "static":
+                r.update(d2h_bytes_per_step=0, h2d_bytes_per_step=0, bytes_from="resident")
+            elif r["impl"] == "transformers_static_offloaded":
+                r.update(d2h_bytes_per_step=whole, h2d_bytes_per_step=whole, bytes_from="buffer sizes")
+            rows.append(r)
     return rows
 
 
 def run_kv(ctx: Context) -> list[dict]:
     model = _model(ctx)
     repeats = 2 if (ctx.quick or ctx.tiny) else 5
+    # static cases: (case, prompt, new tokens, max_cache_len as a multiple of prompt + new)
     if ctx.tiny:
         cases = [("short", 8, 8)]
+        static = [("static_4x", 8, 8, 4)]
     elif ctx.gpu:
         cases = [("short", 512, 64), ("long", 16384 if ctx.quick else 32768, 64)]
+        long = 4096 if ctx.quick else 8192
+        static = [("static", long, 64, 1), ("static_4x", long, 64, 4)]
+        if not ctx.quick:
+            static.append(("static_4x_compiled", long, 64, 4))
     else:
         cases = [("short", 64, 32), ("long", 1024 if ctx.quick else 2048, 32)]
+        static = [("static", 256, 16, 1), ("static_4x", 256, 16, 4)]
     rows = []
     for case, prompt, new in cases:
         rows += run_case(ctx, model, case, prompt, new, repeats)
+    rows += run_static_cases(ctx, model, static, repeats)
     if ctx.gpu and not ctx.tiny:
         rows += _constrained_case(ctx, model, repeats)
     else:
