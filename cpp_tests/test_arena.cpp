@@ -157,6 +157,40 @@ TEST(Arena, GrowthKeepsOverReservationSmall) {
   EXPECT_LE(static_cast<double>(arena.reserved_bytes()) / live, 1.1);
 }
 
+TEST(Arena, WorkingSetThatShrinksAndGrowsReusesItsChunks) {
+  CountingSource src;
+  Arena arena(src, fixed(1 << 16));
+  std::vector<Block> blocks;
+  for (int i = 0; i < 16; ++i) blocks.push_back(*arena.allocate(1 << 16));  // 16 full chunks
+  EXPECT_EQ(src.live, 16);
+  for (int i = 13; i < 16; ++i) arena.free(blocks[i]);  // part of the set goes (3 <= 13 / 4)...
+  EXPECT_EQ(src.live, 16);                              // ...and its chunks stay as spares
+  for (int i = 13; i < 16; ++i) blocks[i] = *arena.allocate(1 << 16);  // ...and comes back
+  EXPECT_EQ(src.live, 16);
+  for (auto& b : blocks) arena.free(b);
+  EXPECT_EQ(src.live, 1);  // nothing in use: only the largest spare stays
+}
+
+TEST(Arena, ChunkMadeOutsideTheLockHoldsItsBudget) {
+  CountingSource src;
+  Arena arena(src, fixed(1 << 16, 3 << 16));
+  std::string why;
+  const size_t a = arena.begin_chunk(100, &why);  // two threads plan chunks at once
+  const size_t b = arena.begin_chunk(100, &why);
+  EXPECT_EQ(a, 1u << 16);
+  EXPECT_EQ(b, 1u << 16);
+  EXPECT_EQ(arena.begin_chunk(1 << 17, &why), 0u);  // the third would pass the budget
+  EXPECT_NE(why.find("budget"), std::string::npos);
+  arena.finish_chunk(src.allocate(a, nullptr), a);
+  arena.finish_chunk(nullptr, b);  // the source refused: its budget is free again
+  EXPECT_EQ(arena.reserved_bytes(), 1u << 16);
+  EXPECT_EQ(arena.begin_chunk(1 << 17, &why), 1u << 17);
+  arena.finish_chunk(nullptr, 1 << 17);
+  auto block = arena.allocate_existing(100);
+  ASSERT_TRUE(block);
+  EXPECT_EQ(block->chunk, 0u);
+}
+
 // Random alloc/free against a model: live blocks never overlap, accounting
 // matches, and freeing everything returns all bytes.
 TEST(Arena, RandomisedAgainstModel) {

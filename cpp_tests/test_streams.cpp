@@ -1,4 +1,6 @@
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstdlib>
@@ -58,6 +60,35 @@ TEST(HostStream, ManyThreadsSubmitting) {
   for (auto& t : threads) t.join();
   s.synchronize();
   EXPECT_EQ(count.load(), 4000);
+}
+
+// fork() while tasks are queued: the parent's streams go on; the child, which
+// has no worker thread, starts one and runs what it submits.
+TEST(HostStream, ForkWhileBusy) {
+  HostStream s;
+  std::atomic<int> ran{0};
+  for (int i = 0; i < 50; ++i) {
+    s.submit([&] {
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+      ++ran;
+    });
+  }
+  const pid_t pid = fork();
+  if (pid == 0) {
+    // Everything submitted before fork() ran before it (the stream was drained).
+    int ok = ran.load() == 50 ? 0 : 1;
+    std::atomic<int> child{0};
+    s.submit([&] { child = 7; });
+    s.synchronize();
+    _exit(ok == 0 && child.load() == 7 ? 0 : 2);
+  }
+  ASSERT_GT(pid, 0);
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  EXPECT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+  s.synchronize();
+  EXPECT_EQ(ran.load(), 50);
 }
 
 class MallocSource : public ChunkSource {

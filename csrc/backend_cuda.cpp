@@ -175,7 +175,7 @@ class CudaCopyStream final : public CopyStream {
 // limits) returns nullptr so the engine spills instead of crashing.
 class PinnedSource : public ChunkSource {
  public:
-  explicit PinnedSource(Counters& counters) : counters_(counters) {}
+  explicit PinnedSource(Counters& counters) : counters_(counters), pages_(/*dont_fork=*/true) {}
   void* allocate(size_t bytes, std::string* error) override {
     void* p = pages_.allocate(bytes, error);
     if (p == nullptr) return nullptr;
@@ -252,7 +252,8 @@ class CudaBackend : public Backend {
     if (device.is_cpu()) return dir == Dir::kStore ? host_d2h_ : host_h2d_;
     std::lock_guard<std::mutex> lock(mu_);
     auto& slot = streams_.at(device.index())[static_cast<int>(dir)];
-    if (!slot) slot = std::make_unique<CudaCopyStream>(device.index(), pools_[device.index()], counters);
+    if (!slot)
+      slot = std::make_unique<CudaCopyStream>(device.index(), pools_[device.index()], counters);
     return *slot;
   }
 

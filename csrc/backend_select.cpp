@@ -99,10 +99,12 @@ void configure_global_engine(const std::string& backend, size_t pinned_limit, si
   } else if (backend == "host") {
     choice = Choice::kHost;
   } else {
-    TORCH_CHECK_VALUE(false, "offcache: backend (OFFCACHE_BACKEND) must be 'auto', 'cuda' or 'host', got '",
-                      backend, "'");
+    TORCH_CHECK_VALUE(
+        false, "offcache: backend (OFFCACHE_BACKEND) must be 'auto', 'cuda' or 'host', got '",
+        backend, "'");
   }
-  TORCH_CHECK_VALUE(min_chunk > 0, "offcache: the smallest chunk (OFFCACHE_CHUNK_BYTES) must be > 0");
+  TORCH_CHECK_VALUE(min_chunk > 0,
+                    "offcache: the smallest chunk (OFFCACHE_CHUNK_BYTES) must be > 0");
   TORCH_CHECK_VALUE(host_copy_delay_us >= 0,
                     "offcache: OFFCACHE_HOST_COPY_DELAY_US must be >= 0, got ", host_copy_delay_us);
   Engine* old = nullptr;

@@ -61,6 +61,8 @@ py::dict stats_dict() {
   OFFCACHE_FIELD(dedup_entries);
   OFFCACHE_FIELD(snapshot_bytes);
   OFFCACHE_FIELD(snapshot_fallbacks);
+  OFFCACHE_FIELD(chunk_bytes);
+  OFFCACHE_FIELD(chunk_seconds);
   OFFCACHE_FIELD(lock_waits_over_1ms);
   OFFCACHE_FIELD(leaked_blocks);
   OFFCACHE_FIELD(events_created);

@@ -36,9 +36,9 @@ void DedupTable::insert(const at::Tensor& source, const at::Tensor& stored, c10:
   entries_.insert_or_assign(
       impl, Entry{c10::weak_intrusive_ptr<c10::TensorImpl>(source.getIntrusivePtr()),
                   c10::weak_intrusive_ptr<c10::TensorImpl>(stored.getIntrusivePtr()),
-                  impl->version_counter().current_version(), source.storage().unsafeGetStorageImpl(),
-                  source.data_ptr(), source.dtype(), source.sizes().vec(), source.strides().vec(),
-                  source.requires_grad(), target});
+                  impl->version_counter().current_version(),
+                  source.storage().unsafeGetStorageImpl(), source.data_ptr(), source.dtype(),
+                  source.sizes().vec(), source.strides().vec(), source.requires_grad(), target});
   // Sweeping once inserts outnumber the entries that survived the last sweep
   // keeps the table within twice its live entries (plus 1024), at O(1) amortised.
   if (++inserts_since_sweep_ >= std::max<size_t>(1024, live_after_sweep_)) sweep();

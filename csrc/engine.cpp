@@ -90,21 +90,36 @@ HostBlock* Engine::allocate_host(size_t bytes, bool allow_spill) {
   std::optional<Block> block;
   for (;;) {
     EventPtr oldest;
+    size_t chunk = 0;
     {
       auto l = lock();
       reclaim_locked();
-      block = arena_.allocate(bytes, &why);
-      if (block || deferred_.size() == 0) break;
+      block = arena_.allocate_existing(bytes);
+      if (block) break;
       // Memory waiting on copies counts as available: wait (unlocked) for the
       // oldest pending block's copies, then try again.
       oldest = deferred_.oldest_fence();
-      if (!oldest) {
-        reclaim_locked();
-        block = arena_.allocate(bytes, &why);
-        break;
-      }
+      if (!oldest) chunk = arena_.begin_chunk(bytes, &why);
     }
-    backend_->sync(oldest);
+    if (oldest) {
+      backend_->sync(oldest);
+      continue;
+    }
+    if (chunk == 0) break;  // over budget
+    // A new chunk: mmap, pre-fault and (CUDA) cudaHostRegister, without the
+    // lock, so threads freeing tensors meanwhile do not wait on it.
+    const auto t0 = std::chrono::steady_clock::now();
+    void* base = backend_->chunks().allocate(chunk, &why);
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    auto l = lock();
+    arena_.finish_chunk(base, chunk);
+    if (base != nullptr) {
+      stats_.chunk_seconds += seconds;
+      stats_.chunk_bytes += chunk;
+    }
+    block = arena_.allocate_existing(bytes);
+    if (block || base == nullptr) break;
   }
   auto hb = std::make_unique<HostBlock>();
   hb->engine = this;

@@ -38,6 +38,8 @@ struct EngineStats {
   size_t dedup_hits = 0, spills = 0, stores = 0, fetches = 0;
   size_t d2h_bytes = 0, h2d_bytes = 0, d2h_copies = 0, h2d_copies = 0;
   size_t snapshot_bytes = 0, snapshot_fallbacks = 0;
+  size_t chunk_bytes = 0;    // arena chunks made (pinned on CUDA)
+  double chunk_seconds = 0;  // time making them: mmap, pre-faulting, registration
   double d2h_seconds = 0, h2d_seconds = 0;
   size_t pinned_limit_bytes = 0;
   size_t dedup_entries = 0;
@@ -126,7 +128,7 @@ class Engine {
     std::vector<at::Tensor> keepalive;  // staging buffers, sources, destinations
   };
 
-  std::unique_lock<std::mutex> lock();  // mu_, with contention counted
+  std::unique_lock<std::mutex> lock();                       // mu_, with contention counted
   EventPtr pending_write_of(const at::Tensor& t);            // needs mu_
   HostBlock* allocate_host(size_t bytes, bool allow_spill);  // takes mu_
   void free_block(const Block& block);                       // needs mu_

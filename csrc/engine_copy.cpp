@@ -49,7 +49,8 @@ std::optional<Rows> rows_of(const at::Tensor& t) {
 
 // `r` (one run) cut into the rows of `like`.
 Rows reshaped(Rows r, const Rows& like) {
-  if (r.rows == 1 && like.rows > 1 && r.run == like.rows * like.run) return Rows{r.ptr, like.rows, like.run, like.run};
+  if (r.rows == 1 && like.rows > 1 && r.run == like.rows * like.run)
+    return Rows{r.ptr, like.rows, like.run, like.run};
   return r;
 }
 
@@ -72,10 +73,10 @@ EventPtr Engine::copy_into(const std::vector<at::Tensor>& dsts, const std::vecto
   for (size_t i = 0; i < dsts.size(); ++i) {
     const at::Tensor& dst = dsts[i];
     const at::Tensor& src = srcs[i];
-    TORCH_CHECK_VALUE(dst.defined() && src.defined() && dst.dtype() == src.dtype() &&
-                          dst.sizes() == src.sizes(),
-                      "offcache: copy_into pair ", i, ": destination ", dst.dtype(), dst.sizes(),
-                      " and source ", src.dtype(), src.sizes(), " must have one dtype and shape");
+    TORCH_CHECK_VALUE(
+        dst.defined() && src.defined() && dst.dtype() == src.dtype() && dst.sizes() == src.sizes(),
+        "offcache: copy_into pair ", i, ": destination ", dst.dtype(), dst.sizes(), " and source ",
+        src.dtype(), src.sizes(), " must have one dtype and shape");
     const c10::Device from = backend_->resolve_device(src.device());
     const c10::Device to = backend_->resolve_device(dst.device());
     HostBlock* src_block = host_block_of(src);
@@ -124,7 +125,8 @@ EventPtr Engine::copy_into(const std::vector<at::Tensor>& dsts, const std::vecto
       for (HostBlock* hb : g.read) {
         if (hb->stored && !hb->stored->query()) g.deps.push_back(hb->stored);
       }
-      for (HostBlock* hb : g.written) g.deps.insert(g.deps.end(), hb->fences.begin(), hb->fences.end());
+      for (HostBlock* hb : g.written)
+        g.deps.insert(g.deps.end(), hb->fences.begin(), hb->fences.end());
     }
     if (last) g.deps.push_back(last);
     EventPtr done = issue(g.dir, backend_->copy_stream(g.dir, g.stream_device), g.deps, g.ops,
@@ -141,7 +143,8 @@ EventPtr Engine::copy_into(const std::vector<at::Tensor>& dsts, const std::vecto
     for (const auto& g : groups) {
       if (!g.consumer.is_cpu()) backend_->current_wait(g.consumer, last);
     }
-    if (std::all_of(groups.begin(), groups.end(), [](const Group& g) { return g.consumer.is_cpu(); })) {
+    if (std::all_of(groups.begin(), groups.end(),
+                    [](const Group& g) { return g.consumer.is_cpu(); })) {
       backend_->sync(last);
     }
   }

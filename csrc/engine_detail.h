@@ -50,8 +50,8 @@ inline at::Tensor view_of(const c10::Storage& storage, size_t byte_offset, const
                                                     like.dtype());
   TORCH_INTERNAL_ASSERT(byte_offset % like.element_size() == 0, "offcache: misaligned view at ",
                         byte_offset, " for ", like.dtype());
-  t.unsafeGetTensorImpl()->set_sizes_and_strides(like.sizes(), like.strides(),
-                                                 static_cast<int64_t>(byte_offset / like.element_size()));
+  t.unsafeGetTensorImpl()->set_sizes_and_strides(
+      like.sizes(), like.strides(), static_cast<int64_t>(byte_offset / like.element_size()));
   return t;
 }
 
@@ -75,23 +75,24 @@ inline void check_storable(const at::Tensor& t) {
                    t.layout(), "; densify it first");
   TORCH_CHECK_TYPE(!t.is_quantized(), "offcache: cannot cache a quantized tensor (dtype ",
                    t.dtype(), "); dequantize it first");
-  TORCH_CHECK_TYPE(!t.is_nested(), "offcache: cannot cache a nested tensor; unbind it into a list first");
+  TORCH_CHECK_TYPE(!t.is_nested(),
+                   "offcache: cannot cache a nested tensor; unbind it into a list first");
   TORCH_CHECK_VALUE(!t.is_meta(), "offcache: cannot cache a meta tensor: it has no data");
   const auto* impl = t.unsafeGetTensorImpl();
   TORCH_CHECK_TYPE(!impl->key_set().has(c10::DispatchKey::Python) && impl->has_storage(),
                    "offcache: cannot cache a tensor subclass without plain storage (",
                    "a wrapper subclass such as DTensor); store its inner tensors instead");
   if (t.numel() > 0) {
-    const size_t need = (t.storage_offset() + 1) * t.element_size() +
-                        [&] {
-                          size_t extent = 0;
-                          for (int64_t d = 0; d < t.dim(); ++d) {
-                            extent += static_cast<size_t>(t.size(d) - 1) * t.stride(d);
-                          }
-                          return extent * t.element_size();
-                        }();
-    TORCH_CHECK_VALUE(t.storage().nbytes() >= need, "offcache: cannot cache a tensor whose storage ",
-                      "holds ", t.storage().nbytes(), " bytes but its view needs ", need,
+    const size_t need = (t.storage_offset() + 1) * t.element_size() + [&] {
+      size_t extent = 0;
+      for (int64_t d = 0; d < t.dim(); ++d) {
+        extent += static_cast<size_t>(t.size(d) - 1) * t.stride(d);
+      }
+      return extent * t.element_size();
+    }();
+    TORCH_CHECK_VALUE(t.storage().nbytes() >= need,
+                      "offcache: cannot cache a tensor whose storage ", "holds ",
+                      t.storage().nbytes(), " bytes but its view needs ", need,
                       " (was the storage freed with resize_(0)?)");
   }
 }

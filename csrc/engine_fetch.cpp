@@ -13,7 +13,7 @@ using namespace detail;  // NOLINT(build/namespaces): the engine's own helpers
 namespace {
 
 struct Source {
-  at::Tensor dense;        // what the copy reads: conj/neg resolved, dense
+  at::Tensor dense;            // what the copy reads: conj/neg resolved, dense
   HostBlock* block = nullptr;  // the arena block `dense` lies in, if any
 };
 
@@ -28,12 +28,14 @@ struct Segment {
 
 }  // namespace
 
-Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device device, bool wait) {
+Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device device,
+                              bool wait) {
   device = backend_->resolve_device(device);
   const size_t n = stored.size();
   std::vector<at::Tensor> out(n);
   for (const auto& t : stored) {
-    TORCH_CHECK_TYPE(t.defined() && t.layout() == c10::kStrided, "offcache: can only fetch dense tensors");
+    TORCH_CHECK_TYPE(t.defined() && t.layout() == c10::kStrided,
+                     "offcache: can only fetch dense tensors");
     backend_->resolve_device(t.device());
   }
   // Pending writes are looked up before anything reads the values (a view
@@ -67,7 +69,8 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
     }
     HostBlock* hb = d.is_alias_of(t) ? host_block_of(t) : nullptr;
     sources[i] = Source{std::move(d), hb};
-    if (std::find(source_devices.begin(), source_devices.end(), t.device()) == source_devices.end()) {
+    if (std::find(source_devices.begin(), source_devices.end(), t.device()) ==
+        source_devices.end()) {
       source_devices.push_back(t.device());
     }
   }
@@ -129,7 +132,8 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
         if (seg.items.size() == 1) {
           const size_t i = seg.items[0];
           at::Tensor o = empty_like_on(sources[i].dense, device);
-          ops.push_back(CopyOp{o.data_ptr(), sources[i].dense.data_ptr(), sources[i].dense.nbytes()});
+          ops.push_back(
+              CopyOp{o.data_ptr(), sources[i].dense.data_ptr(), sources[i].dense.nbytes()});
           out[i] = o;
         } else {
           at::Tensor staging = at::empty({static_cast<int64_t>(seg.length)}, bytes);
@@ -160,7 +164,9 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
     deps.insert(deps.end(), done_events.begin(), done_events.end());
     std::function<void()> split;
     if (!split_dst.empty()) {
-      split = [dst = std::move(split_dst), src = std::move(split_src)] { at::_foreach_copy_(dst, src); };
+      split = [dst = std::move(split_dst), src = std::move(split_src)] {
+        at::_foreach_copy_(dst, src);
+      };
     }
     EventPtr done = issue(dir, stream, deps, ops, std::move(keepalive), std::move(split));
     {
@@ -170,7 +176,8 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
     }
     if (!device.is_cpu()) {
       for (size_t i = 0; i < n; ++i) {
-        if (sources[i].dense.defined() && sources[i].dense.device() == from) backend_->hand_over(out[i], device);
+        if (sources[i].dense.defined() && sources[i].dense.device() == from)
+          backend_->hand_over(out[i], device);
       }
     }
     done_events.push_back(done);

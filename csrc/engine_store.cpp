@@ -96,7 +96,8 @@ std::vector<at::Tensor> Engine::store_to_host(const std::vector<at::Tensor>& val
     }
     for (const auto& e : pending) backend_->current_wait(device, e);
 
-    // Layout: small values packed into blocks of at most kPackPieceBytes; one block per large value.
+    // Layout: small values packed into blocks of at most kPackPieceBytes; one block per large
+    // value.
     std::vector<std::vector<Item>> groups;
     std::vector<Item> small;
     size_t piece = 0;
@@ -150,8 +151,8 @@ std::vector<at::Tensor> Engine::store_to_host(const std::vector<at::Tensor>& val
         keepalive.push_back(group[0].dense);
       } else {
         try {
-          at::Tensor staging =
-              at::empty({static_cast<int64_t>(total)}, at::TensorOptions().dtype(at::kByte).device(device));
+          at::Tensor staging = at::empty({static_cast<int64_t>(total)},
+                                         at::TensorOptions().dtype(at::kByte).device(device));
           std::vector<at::Tensor> dst, src;
           for (const Item& it : group) {
             dst.push_back(staging.narrow(0, static_cast<int64_t>(it.offset),
@@ -180,8 +181,8 @@ std::vector<at::Tensor> Engine::store_to_host(const std::vector<at::Tensor>& val
       }
       // Producer stream -> event -> D2H copy stream.
       CopyStream& stream = backend_->copy_stream(Dir::kStore, device);
-      EventPtr done = issue(Dir::kStore, stream, {backend_->record_current(device)}, ops,
-                            std::move(keepalive));
+      EventPtr done =
+          issue(Dir::kStore, stream, {backend_->record_current(device)}, ops, std::move(keepalive));
       // Without a snapshot, later work on the producer stream may not touch the
       // sources before the copy has read them.
       if (direct) backend_->current_wait(device, done);
@@ -211,9 +212,10 @@ at::Tensor Engine::store_to_device(const at::Tensor& value, c10::Device target) 
   const c10::Device device = stream_device(value.device(), target);
   // The copy waits for the producer, and for work already queued on the target's
   // stream: `dst` came from that stream's pool, where freed memory may still be in use.
-  EventPtr done = issue(Dir::kStore, backend_->copy_stream(Dir::kStore, device),
-                        {backend_->record_current(value.device()), backend_->record_current(target)},
-                        {CopyOp{dst.data_ptr(), src.data_ptr(), src.nbytes()}}, {src, dst});
+  EventPtr done =
+      issue(Dir::kStore, backend_->copy_stream(Dir::kStore, device),
+            {backend_->record_current(value.device()), backend_->record_current(target)},
+            {CopyOp{dst.data_ptr(), src.data_ptr(), src.nbytes()}}, {src, dst});
   keep_flags(dst, value);
   auto l = lock();
   device_stores_.insert_or_assign(dst.storage().unsafeGetStorageImpl(),

@@ -18,8 +18,9 @@ void delete_host_block(void* ctx) {
 
 void HostBlock::add_fence(const EventPtr& event) {
   if (std::find(fences.begin(), fences.end(), event) != fences.end()) return;
-  fences.erase(std::remove_if(fences.begin(), fences.end(), [](const EventPtr& e) { return e->query(); }),
-               fences.end());
+  fences.erase(
+      std::remove_if(fences.begin(), fences.end(), [](const EventPtr& e) { return e->query(); }),
+      fences.end());
   fences.push_back(event);
 }
 

@@ -35,7 +35,20 @@ class _Stats(TypedDict):
     h2d_seconds: float
     pinned_limit_bytes: int
     dedup_entries: int
+    snapshot_bytes: int
+    snapshot_fallbacks: int
+    lock_waits_over_1ms: int
+    leaked_blocks: int
+    events_created: int
+    events_recorded: int
+    stream_waits: int
+    copy_calls: int
+    host_callbacks: int
+    pinned_registrations: int
+    syncs: int
     pinned: bool
+    retired_engines: int
+    retired_reserved_bytes: int
 
 class _TraceRow(TypedDict):
     """One copy batch recorded between ``trace_start`` and ``trace_stop``."""
@@ -46,19 +59,28 @@ class _TraceRow(TypedDict):
     end_ms: float
 
 class Ticket:
-    """A fetch's completion. Made by ``fetch`` only (no constructor)."""
+    """A copy's completion. Made by ``fetch`` and ``copy_into`` only (no constructor)."""
 
     def wait(self) -> None:
-        """Make the consumer's current stream wait for the fetch's copies; raise if a source was torn."""
+        """Make the consumer's current stream (the calling thread, for the CPU) wait for the copies."""
 
     def query(self) -> bool:
         """True once the fetch's copies have completed."""
 
 def store(values: Sequence[torch.Tensor], device: torch.device, allow_spill: bool = True) -> list[torch.Tensor]:
-    """Copy tensors to `device` (CPU: the pinned arena). Returns the copies in order."""
+    """Snapshot tensors and copy them to `device` (CPU: the pinned arena). Returns the copies in order."""
 
 def fetch(stored: Sequence[torch.Tensor], device: torch.device, wait: bool = True) -> tuple[list[torch.Tensor], Ticket]:
     """Copy stored tensors to `device`. Returns (tensors, ticket)."""
+
+def copy_into(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], wait: bool = False) -> Ticket:
+    """Copy srcs[i] into the existing dsts[i] on the copy streams. Returns a ticket."""
+
+def set_timing(on: bool) -> None:
+    """Time every copy batch (d2h_seconds / h2d_seconds in stats) with timed events."""
+
+def _fail_next_copy() -> None:
+    """Tests: the next host copy call queues its copies, then raises."""
 
 def synchronize() -> None:
     """Wait for every copy in flight and return freed blocks to the arena."""

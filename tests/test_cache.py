@@ -21,7 +21,6 @@ except ImportError:  # pragma: no cover - CI installs llm-compressor
 needs_llmc = pytest.mark.skipif(LCCache is None, reason="llm-compressor is not installed")
 # Contracts the engine rewrite (csrc/) brings: a store is a snapshot taken at the call,
 # conj/neg bits are resolved, strides are kept, fetched tensors have storages of their own.
-needs_snapshot_engine = pytest.mark.xfail(reason="needs the snapshot engine", strict=False)
 BIG = 1 << 18  # float32 elements: 1 MiB, past the engine's packing of small values
 
 
@@ -319,7 +318,6 @@ def test_wrapper_subclass_is_stored_as_its_inner_tensors():
     assert cache.size() == {torch.device("cpu"): a.nbytes + b.nbytes + sys.getsizeof(3, 0)}  # what it is stored as
 
 
-@needs_snapshot_engine
 def test_small_and_nested_wrapper_subclasses_round_trip():
     # TwoTensor wants its inner tensors at equal storage offsets: small fetched values
     # share one packed buffer today, so this needs fetched tensors with storages of their own.
@@ -478,7 +476,6 @@ def test_edits_of_fetched_tensors_do_not_reach_the_cache():
 # The snapshot contract (engine rewrite) -------------------------------------------------------------
 
 
-@needs_snapshot_engine
 def test_edits_right_after_update_do_not_change_what_is_fetched(host_engine):
     host_engine(backend="host", host_copy_delay_us=2000)
     x, y = torch.zeros(4096), torch.zeros(BIG)
@@ -491,7 +488,6 @@ def test_edits_right_after_update_do_not_change_what_is_fetched(host_engine):
     assert torch.equal(cache.batch_intermediates[0]["x"].value, torch.zeros(4096))
 
 
-@needs_snapshot_engine
 def test_conj_and_neg_views_are_stored_as_the_values_they_show():
     z = torch.randn(5, dtype=torch.complex64)
     values = {"conj": z.conj(), "neg": torch._neg_view(torch.randn(5)), "both": (torch._neg_view(z.conj()),)}
@@ -501,7 +497,6 @@ def test_conj_and_neg_views_are_stored_as_the_values_they_show():
     assert_same(cache.fetch(0), want)
 
 
-@needs_snapshot_engine
 def test_channels_last_tensors_keep_their_strides():
     x = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
     cache = IntermediatesCache.empty(1, "cpu")
@@ -510,7 +505,6 @@ def test_channels_last_tensors_keep_their_strides():
     assert torch.equal(got, x) and got.stride() == x.stride()
 
 
-@needs_snapshot_engine
 def test_data_swap_is_not_served_from_the_dedup_table():
     # `x.data = other` keeps x's identity and version counter but swaps its storage.
     x = torch.zeros(8)

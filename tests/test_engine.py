@@ -333,7 +333,9 @@ def test_build_info():
     info = offcache.build_info()
     assert set(info) >= {"version", "torch", "cuda", "cuda_version", "backend"}
     assert info["version"].split("+")[0] == offcache.__version__
-    assert info["version"].endswith("+cpu") or info["version"].endswith("+cu" + (info["cuda_version"] or "").replace(".", ""))
+    assert info["version"].endswith("+cpu") or info["version"].endswith(
+        "+cu" + (info["cuda_version"] or "").replace(".", "")
+    )
     assert info["backend"] in ("host", "cuda")
     if info["cuda"]:
         assert torch.version.cuda is not None and info["cuda_version"]

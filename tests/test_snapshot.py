@@ -284,7 +284,8 @@ def test_configure_with_nothing_stored_drops_the_old_engine_at_once(engine_confi
         ("LOCAL_WORLD_SIZE", "abc", "LOCAL_WORLD_SIZE"),
     ],
 )
-def test_configuration_errors_name_the_variable(monkeypatch, engine_config, var, value, match):
+def test_configuration_errors_name_the_variable(engine_config, monkeypatch, var, value, match):
+    # engine_config first: its teardown (configure()) runs after monkeypatch restores the environment.
     monkeypatch.delenv("OFFCACHE_PINNED_LIMIT", raising=False)
     monkeypatch.setenv(var, value)
     with pytest.raises(ValueError, match=match):

@@ -32,13 +32,7 @@ size_t Arena::chunk_count() const {
   return std::count_if(chunks_.begin(), chunks_.end(), [](const Chunk& c) { return c.live; });
 }
 
-std::optional<uint32_t> Arena::add_chunk(size_t bytes, bool dedicated, std::string* error) {
-  if (reserved_ + bytes > options_.limit || reserved_ + bytes < reserved_) {
-    if (error) *error = "pinned budget of " + std::to_string(options_.limit) + " bytes reached";
-    return std::nullopt;
-  }
-  void* base = source_.allocate(bytes, error);
-  if (base == nullptr) return std::nullopt;
+uint32_t Arena::adopt(void* base, size_t bytes) {
   uint32_t index = 0;
   while (index < chunks_.size() && chunks_[index].live) ++index;
   if (index == chunks_.size()) chunks_.emplace_back();
@@ -46,7 +40,6 @@ std::optional<uint32_t> Arena::add_chunk(size_t bytes, bool dedicated, std::stri
   c = Chunk{};
   c.base = static_cast<char*>(base);
   c.size = bytes;
-  c.dedicated = dedicated;
   c.live = true;
   reserved_ += bytes;
   insert_free(index, 0, bytes);
@@ -72,35 +65,53 @@ void Arena::erase_free(uint32_t chunk, size_t offset, size_t length) {
   by_length_.erase(FreeKey{length, chunk, offset});
 }
 
-std::optional<Block> Arena::allocate(size_t bytes, std::string* error) {
+std::optional<Block> Arena::allocate_existing(size_t bytes) {
   const size_t need = round_up(bytes);
   auto it = by_length_.lower_bound(FreeKey{need, 0, 0});
-  uint32_t chunk;
-  size_t offset, length;
-  if (it != by_length_.end()) {
-    std::tie(length, chunk, offset) = *it;
-  } else {
-    // Nothing fits: reserve a new chunk. Oversized requests get their own.
-    const size_t regular = chunk_size();
-    const bool dedicated = need > regular;
-    size_t size = dedicated ? need : regular;
-    // Near the budget, a smaller chunk that still fits the request beats spilling.
-    if (!dedicated && reserved_ + size > options_.limit && options_.limit > reserved_) {
-      const size_t room = (options_.limit - reserved_) / options_.alignment * options_.alignment;
-      size = std::max(need, room);
-    }
-    auto added = add_chunk(size, dedicated, error);
-    if (!added) return std::nullopt;
-    chunk = *added;
-    offset = 0;
-    length = size;
-  }
+  if (it == by_length_.end()) return std::nullopt;
+  auto [length, chunk, offset] = *it;
   erase_free(chunk, offset, length);
   if (length > need) insert_free(chunk, offset + need, length - need);
   Chunk& c = chunks_[chunk];
   c.used += need;
   in_use_ += need;
   return Block{c.base + offset, need, chunk, offset};
+}
+
+size_t Arena::begin_chunk(size_t bytes, std::string* error) {
+  const size_t need = round_up(bytes);
+  // Oversized requests get a chunk of their own.
+  size_t size = std::max(need, chunk_size());
+  const size_t held = reserved_ + pending_;
+  if (held + size > options_.limit || held + size < held) {
+    // Near the budget, a smaller chunk that still fits the request beats spilling.
+    const size_t room = options_.limit > held
+                            ? (options_.limit - held) / options_.alignment * options_.alignment
+                            : 0;
+    if (room < need) {
+      if (error) *error = "pinned budget of " + std::to_string(options_.limit) + " bytes reached";
+      return 0;
+    }
+    size = std::max(need, std::min(size, room));
+  }
+  pending_ += size;
+  return size;
+}
+
+void Arena::finish_chunk(void* base, size_t size) {
+  assert(pending_ >= size);
+  pending_ -= size;
+  if (base != nullptr) adopt(base, size);
+}
+
+std::optional<Block> Arena::allocate(size_t bytes, std::string* error) {
+  if (auto b = allocate_existing(bytes)) return b;
+  const size_t size = begin_chunk(bytes, error);
+  if (size == 0) return std::nullopt;
+  void* base = source_.allocate(size, error);
+  finish_chunk(base, size);
+  if (base == nullptr) return std::nullopt;
+  return allocate_existing(bytes);
 }
 
 void Arena::free(const Block& block) {
@@ -129,14 +140,26 @@ void Arena::free(const Block& block) {
     }
   }
   insert_free(block.chunk, offset, length);
-  if (c.used != 0) return;
-  // At most one empty chunk stays reserved, the larger, as a spare: reserved
-  // memory tracks live memory, yet a free-then-allocate cycle (a layer's new
-  // activations replacing the old) reuses pinned pages instead of pinning anew.
+  if (c.used == 0) trim_spares();
+}
+
+void Arena::trim_spares() {
+  // Spares: empty chunks up to a quarter of the bytes in use, and at least the
+  // largest empty one (a free-then-allocate cycle reuses pinned pages). The
+  // smallest go back first.
+  std::vector<uint32_t> empty;
   for (uint32_t i = 0; i < chunks_.size(); ++i) {
-    if (i != block.chunk && chunks_[i].live && chunks_[i].used == 0) {
-      drop_chunk(chunks_[i].size < c.size ? i : block.chunk);
-      return;
+    if (chunks_[i].live && chunks_[i].used == 0) empty.push_back(i);
+  }
+  std::sort(empty.begin(), empty.end(),
+            [this](uint32_t a, uint32_t b) { return chunks_[a].size > chunks_[b].size; });
+  size_t kept = 0;
+  for (size_t k = 0; k < empty.size(); ++k) {
+    const size_t size = chunks_[empty[k]].size;
+    if (k == 0 || kept + size <= in_use_ / 4) {
+      kept += size;
+    } else {
+      drop_chunk(empty[k]);
     }
   }
 }

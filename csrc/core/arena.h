@@ -2,7 +2,9 @@
 // CUDA backend, plain memory on the host backend) and sub-allocates
 // exact-size aligned blocks from them. No power-of-two rounding: a block
 // costs its size rounded up to the alignment. Free neighbours coalesce.
-// Not thread-safe: the engine serialises access.
+// Empty chunks are kept as spares up to a quarter of the bytes in use (at
+// least the largest one), so a working set that shrinks and grows again does
+// not pin its pages anew. Not thread-safe: the engine serialises access.
 #pragma once
 
 #include <cstddef>
@@ -34,7 +36,7 @@ struct Block {
 };
 
 struct ArenaOptions {
-  size_t min_chunk = size_t{2} << 20;
+  size_t min_chunk = 0;  // set by the caller (the engine's configuration)
   size_t max_chunk = size_t{1} << 30;
   // A new chunk is 1/growth_divisor of what is already reserved (clamped to
   // [min_chunk, max_chunk]) so over-reservation stays near 1/growth_divisor.
@@ -51,7 +53,16 @@ class Arena {
   Arena& operator=(const Arena&) = delete;
 
   // nullopt when the budget or the chunk source refuses; `error` says why.
+  // Calls the chunk source while the caller holds its lock: the engine uses
+  // the three steps below instead, so slow pinning runs unlocked.
   std::optional<Block> allocate(size_t bytes, std::string* error = nullptr);
+  // A block from the free space of existing chunks, or nullopt.
+  std::optional<Block> allocate_existing(size_t bytes);
+  // Reserves budget for the chunk a request of `bytes` needs and returns its
+  // size (0: over budget, `error` says why). The chunk is then made by the
+  // source without a lock and handed to finish_chunk (nullptr: it failed).
+  size_t begin_chunk(size_t bytes, std::string* error);
+  void finish_chunk(void* base, size_t size);
   void free(const Block& block);
 
   void set_limit(size_t limit) { options_.limit = limit; }
@@ -70,14 +81,15 @@ class Arena {
     char* base = nullptr;
     size_t size = 0;
     size_t used = 0;
-    bool dedicated = false;
     bool live = false;
     std::map<size_t, size_t> free;  // offset -> length
   };
   using FreeKey = std::tuple<size_t, uint32_t, size_t>;  // length, chunk, offset
 
-  std::optional<uint32_t> add_chunk(size_t bytes, bool dedicated, std::string* error);
+  uint32_t adopt(void* base, size_t bytes);
   void drop_chunk(uint32_t index);
+  // Empty chunks beyond the spare allowance go back to the source.
+  void trim_spares();
   void insert_free(uint32_t chunk, size_t offset, size_t length);
   void erase_free(uint32_t chunk, size_t offset, size_t length);
 
@@ -86,6 +98,7 @@ class Arena {
   std::vector<Chunk> chunks_;
   std::set<FreeKey> by_length_;  // best-fit index over every chunk's free ranges
   size_t reserved_ = 0;
+  size_t pending_ = 0;  // budget held for chunks being made
   size_t in_use_ = 0;
 };
 

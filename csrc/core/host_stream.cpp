@@ -50,7 +50,9 @@ HostStream::~HostStream() {
   if (worker_) worker_->join();
 }
 
-void HostStream::start_worker_locked() { worker_ = std::make_unique<std::thread>([this] { run(); }); }
+void HostStream::start_worker_locked() {
+  worker_ = std::make_unique<std::thread>([this] { run(); });
+}
 
 void HostStream::submit(std::function<void()> task) {
   {
