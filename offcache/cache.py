@@ -8,7 +8,7 @@ engine's H2D stream instead of a Python thread.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -154,22 +154,25 @@ class IntermediatesCache:
         for batch_index in range(len(self.batch_intermediates)):
             yield self.fetch(batch_index, input_names)
 
-    def iter_prefetch(self, input_names: list[str] | None = None) -> Iterator[dict[str, Any]]:
-        """Like iter(), with batch i+1's H2D copies in flight while batch i is used.
+    def iter_prefetch(self, input_names: list[str] | None = None, depth: int = 1) -> Iterator[dict[str, Any]]:
+        """Like iter(), with the next `depth` batches' H2D copies in flight while a batch is used.
 
-        No thread: the copies run on the engine's H2D stream. The generator holds at
-        most two fetched batches (the one yielded and the next); each batch is safe
-        to use on the consumer's current stream when it is yielded.
+        No thread: the copies run on the engine's H2D stream, into buffers that stream
+        owns, so they need not wait for the consumer's queued work. The generator holds
+        at most depth + 1 fetched batches; each batch is safe to use on the consumer's
+        current stream when it is yielded. A batch updated after it was prefetched is
+        yielded as it was when prefetched (as llm-compressor's prefetch thread does).
         """
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise ValueError(f"iter_prefetch: depth must be an int >= 1, got {depth!r}")
         n = len(self.batch_intermediates)
-        if n == 0:
-            return
-        pending = self._onload(*self._select(0, input_names), wait=False)
-        for batch_index in range(n):
-            current, tickets = pending
-            pending = None
-            if batch_index + 1 < n:
-                pending = self._onload(*self._select(batch_index + 1, input_names), wait=False)
+        ahead: deque = deque()
+        issued = 0
+        for _ in range(n):
+            while issued < n and len(ahead) <= depth:
+                ahead.append(self._onload(*self._select(issued, input_names), wait=False))
+                issued += 1
+            current, tickets = ahead.popleft()
             for ticket in tickets:
                 ticket.wait()
             yield current

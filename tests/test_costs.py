@@ -1,0 +1,120 @@
+"""What each call asks of the backend, bounded. Both backends count the same primitives at
+the same places (csrc/backend.h, Counters), so these host-backend bounds hold for the CUDA
+path too; tests/test_gpu.py checks the CUDA-only ones (pooled events)."""
+
+import pytest
+import torch
+
+import offcache
+from offcache import IntermediatesCache, _engine
+from tests.helpers import CPU
+
+COUNTERS = ("events_created", "events_recorded", "stream_waits", "copy_calls", "host_callbacks", "syncs")
+
+
+class Delta:
+    """Counter deltas over a `with` block."""
+
+    def __enter__(self):
+        self.before = offcache.stats()
+        return self
+
+    def __exit__(self, *exc):
+        after = offcache.stats()
+        self.d = {k: after[k] - self.before[k] for k in COUNTERS + ("h2d_copies", "d2h_copies")}
+
+    def __getitem__(self, key):
+        return self.d[key]
+
+
+@pytest.mark.parametrize("n", [1, 10, 1000])
+def test_store_of_many_small_tensors(host_engine, n):
+    xs = [torch.randn(64) for _ in range(n)]
+    _engine.store([torch.randn(64) for _ in range(n)], CPU)  # warm: chunks, threads
+    offcache.synchronize()
+    with Delta() as d:
+        _engine.store(xs, CPU)
+    assert d["copy_calls"] <= 2
+    assert d["stream_waits"] <= 3
+    assert d["events_created"] == 0
+    assert d["host_callbacks"] == 0
+    assert d["syncs"] == 0  # a store never blocks the host
+
+
+def test_store_packs_in_pieces_of_at_most_16_mib(host_engine):
+    xs = [torch.randn((1 << 17) - 16) for _ in range(40)]  # 40 x ~512 KiB: 20 MiB of small values
+    with Delta() as d:
+        stored = _engine.store(xs, CPU)
+    assert 2 <= d["copy_calls"] <= 3
+    assert len({t.untyped_storage().data_ptr() for t in stored}) == d["copy_calls"]
+
+
+@pytest.mark.parametrize("n", [2, 100, 1000])
+def test_fetch_of_many_small_tensors_from_one_block(host_engine, n):
+    stored = _engine.store([torch.full((32,), float(i)) for i in range(n)], CPU)
+    offcache.synchronize()
+    with Delta() as d:
+        back, _ = _engine.fetch(stored, CPU, True)
+    assert d["copy_calls"] == 1 and d["h2d_copies"] == 1
+    assert d["stream_waits"] == 0  # the store completed: nothing to wait for
+    assert all(torch.equal(b, torch.full((32,), float(i))) for i, b in enumerate(back))
+
+
+def test_fetch_waits_once_per_distinct_event(engine_config):
+    engine_config(backend="host", host_copy_delay_us=20000)
+    stored = _engine.store([torch.full((32,), float(i)) for i in range(500)], CPU)  # one block, one event
+    with Delta() as d:
+        _engine.fetch(stored, CPU, True)
+    assert d["stream_waits"] <= 1
+    assert d["copy_calls"] == 1
+
+
+def test_timed_events_only_while_tracing_or_timing(host_engine):
+    x = torch.randn(1000)
+    _engine.store([x * 1], CPU)
+    offcache.synchronize()
+    s = offcache.stats()
+    assert s["d2h_seconds"] == 0.0  # untimed by default
+    _engine.set_timing(True)
+    try:
+        _engine.store([x * 2], CPU)
+        offcache.synchronize()
+        assert offcache.stats()["d2h_seconds"] > 0.0
+    finally:
+        _engine.set_timing(False)
+
+
+def test_kv_decode_step_moves_one_copy_per_host_chunk(engine_config):
+    pytest.importorskip("transformers")
+    from offcache.bench.models import causal_lm
+
+    engine_config(backend="host")
+    model = causal_lm("llama")
+    cache = offcache.OffloadedKVCache(config=model.config, compact_every=4)
+    ids = torch.randint(1, 128, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        step = out.logits[:, -1:].argmax(-1)
+        for _ in range(2):  # warm
+            step = model(input_ids=step, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        offcache.synchronize()
+        chunks = sum(len(layer._host_k) for layer in cache.layers)  # K and V share a block per chunk
+        with Delta() as d:
+            model(input_ids=step, past_key_values=cache, use_cache=True)
+    layers = model.config.num_hidden_layers
+    assert d["h2d_copies"] <= chunks
+    assert d["d2h_copies"] <= layers  # the new token's K and V, one block per layer
+    assert d["events_created"] == 0
+
+
+def test_iter_prefetch_depth_runs_ahead(host_engine):
+    cache = IntermediatesCache.empty(6, "cpu")
+    for i in range(6):
+        cache.update(i, {"x": torch.full((4,), float(i))})
+    for depth in (1, 2, 3):
+        start = offcache.stats()["fetches"]
+        for i, batch in enumerate(cache.iter_prefetch(depth=depth)):
+            assert offcache.stats()["fetches"] - start == min(i + 1 + depth, 6)
+            assert torch.equal(batch["x"], torch.full((4,), float(i)))
+    with pytest.raises(ValueError, match="depth"):
+        list(cache.iter_prefetch(depth=0))
