@@ -54,9 +54,10 @@ class CopyStream {
   virtual void copy(const std::vector<CopyOp>& ops) = 0;
   // timed: the event can measure elapsed time (only while tracing or timing).
   virtual EventPtr record(bool timed) = 0;
-  // Runs `fn` in stream order: on CUDA, now, with this stream current (fn
-  // enqueues kernels); on the host, on the worker thread.
-  virtual void then(std::function<void()> fn) = 0;
+  // Copies between buffers on the stream's own device, after the work before
+  // it: one batched kernel on a GPU, a memcpy loop on the host worker. Not a
+  // copy call: it is how one span copy becomes independent tensors.
+  virtual void split(const std::vector<CopyOp>& ops) = 0;
   // Runs `fn` now with this stream as the current one: device memory that fn
   // allocates comes from this stream's pool (on the host: just runs fn).
   virtual void enter(const std::function<void()>& fn) = 0;

@@ -153,11 +153,25 @@ class CudaCopyStream final : public CopyStream {
     event->record(stream_);
     return event;
   }
-  void then(std::function<void()> fn) override {
+  void split(const std::vector<CopyOp>& ops) override {
+    // One fused multi-tensor kernel on this stream; the byte views own nothing.
+    const auto bytes = at::TensorOptions().dtype(at::kByte).device(c10::kCUDA, device_);
+    std::vector<at::Tensor> dst, src;
+    for (const auto& op : ops) {
+      const auto n = static_cast<int64_t>(op.bytes);
+      dst.push_back(
+          at::for_blob(op.dst, {n}).options(bytes).target_device(bytes.device()).make_tensor());
+      src.push_back(at::for_blob(const_cast<void*>(op.src), {n})
+                        .options(bytes)
+                        .target_device(bytes.device())
+                        .make_tensor());
+    }
+    enter([&] { at::_foreach_copy_(dst, src); });
+  }
+  void enter(const std::function<void()>& fn) override {
     c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromExternal(stream_, device_));
     fn();
   }
-  void enter(const std::function<void()>& fn) override { then(fn); }
   void synchronize_noexcept() noexcept override {
     if (cudaStreamSynchronize(stream_) != cudaSuccess) (void)cudaGetLastError();
   }

@@ -43,7 +43,11 @@ EventPtr HostCopyStream::record(bool) {
   return stream_.record();
 }
 
-void HostCopyStream::then(std::function<void()> fn) { stream_.submit(std::move(fn)); }
+void HostCopyStream::split(const std::vector<CopyOp>& ops) {
+  stream_.submit([ops] {
+    for (const auto& op : ops) std::memcpy(op.dst, op.src, op.bytes);
+  });
+}
 
 void HostCopyStream::synchronize_noexcept() noexcept {
   try {

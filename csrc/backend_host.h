@@ -18,7 +18,7 @@ class HostCopyStream final : public CopyStream {
   void wait(const EventPtr& event) override;
   void copy(const std::vector<CopyOp>& ops) override;
   EventPtr record(bool timed) override;
-  void then(std::function<void()> fn) override;
+  void split(const std::vector<CopyOp>& ops) override;
   void enter(const std::function<void()>& fn) override { fn(); }
   void synchronize_noexcept() noexcept override;
   // Tests: the next copy call queues its copies, then fails (an enqueue error).

@@ -210,7 +210,7 @@ void Engine::throttle(size_t incoming) {
 
 EventPtr Engine::issue(Dir dir, CopyStream& stream, const std::vector<EventPtr>& deps,
                        const std::vector<CopyOp>& ops, std::vector<at::Tensor> keepalive,
-                       std::function<void()> then) {
+                       const std::vector<CopyOp>& split) {
   size_t bytes = 0;
   for (const auto& op : ops) bytes += op.total();
   bool timed;
@@ -228,7 +228,7 @@ EventPtr Engine::issue(Dir dir, CopyStream& stream, const std::vector<EventPtr>&
     }
     if (timed) start = stream.record(true);
     stream.copy(ops);
-    if (then) stream.then(std::move(then));
+    if (!split.empty()) stream.split(split);
     done = stream.record(timed);
   } catch (...) {
     // Copies may already be queued that read or write `keepalive` and the

@@ -133,11 +133,11 @@ class Engine {
   HostBlock* allocate_host(size_t bytes, bool allow_spill);  // takes mu_
   void free_block(const Block& block);                       // needs mu_
   void reclaim_locked();
-  // Issues one batch of copies on `stream` after `deps`; returns its completion.
-  // `then` runs on the stream after the copies (fetch's split).
+  // Issues one batch of copies on `stream` after `deps`, then `split` (fetch's
+  // span into independent tensors); returns their completion.
   EventPtr issue(Dir dir, CopyStream& stream, const std::vector<EventPtr>& deps,
                  const std::vector<CopyOp>& ops, std::vector<at::Tensor> keepalive,
-                 std::function<void()> then = nullptr);
+                 const std::vector<CopyOp>& split = {});
   void throttle(size_t incoming);
   // Moves completed in-flight entries out (destroyed by the caller, unlocked).
   std::vector<InFlight> reap_locked();
@@ -145,6 +145,9 @@ class Engine {
   std::vector<at::Tensor> store_to_host(const std::vector<at::Tensor>& sources, bool allow_spill,
                                         std::vector<bool>* stored);
   at::Tensor store_to_device(const at::Tensor& source, c10::Device target);
+  // A snapshot's staging memory: device memory on the producer's stream, or
+  // an arena block for host sources.
+  at::Tensor staging_buffer(size_t bytes, c10::Device device);
 
   std::unique_ptr<Backend> backend_;
   std::mutex mu_;  // guards everything below; never held while a tensor dies

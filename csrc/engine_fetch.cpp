@@ -121,7 +121,7 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
     CopyStream& stream = backend_->copy_stream(dir, stream_dev);
     std::vector<CopyOp> ops;
     std::vector<at::Tensor> keepalive;
-    std::vector<at::Tensor> split_dst, split_src;
+    std::vector<CopyOp> split;
     std::vector<EventPtr> deps;
     std::vector<HostBlock*> blocks;
     const auto bytes = at::TensorOptions().dtype(at::kByte).device(device);
@@ -138,11 +138,11 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
         } else {
           at::Tensor staging = at::empty({static_cast<int64_t>(seg.length)}, bytes);
           ops.push_back(CopyOp{staging.data_ptr(), seg.begin, seg.length});
+          const char* base = static_cast<const char*>(staging.data_ptr());
           for (size_t i : seg.items) {
             const auto* p = static_cast<const char*>(sources[i].dense.data_ptr());
             at::Tensor o = empty_like_on(sources[i].dense, device);
-            split_dst.push_back(bytes_of(o));
-            split_src.push_back(staging.narrow(0, p - seg.begin, static_cast<int64_t>(o.nbytes())));
+            split.push_back(CopyOp{o.data_ptr(), base + (p - seg.begin), o.nbytes()});
             out[i] = o;
           }
           keepalive.push_back(std::move(staging));
@@ -162,13 +162,7 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
     // Several source devices (rare): each group follows the earlier ones, so the
     // last group's event is the whole fetch's.
     deps.insert(deps.end(), done_events.begin(), done_events.end());
-    std::function<void()> split;
-    if (!split_dst.empty()) {
-      split = [dst = std::move(split_dst), src = std::move(split_src)] {
-        at::_foreach_copy_(dst, src);
-      };
-    }
-    EventPtr done = issue(dir, stream, deps, ops, std::move(keepalive), std::move(split));
+    EventPtr done = issue(dir, stream, deps, ops, std::move(keepalive), split);
     {
       auto l = lock();
       ++stats_.fetches;

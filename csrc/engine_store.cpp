@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "engine.h"
 #include "engine_detail.h"
@@ -71,6 +72,15 @@ struct Item {
 };
 
 }  // namespace
+
+at::Tensor Engine::staging_buffer(size_t bytes, c10::Device device) {
+  const auto options = at::TensorOptions().dtype(at::kByte).device(device);
+  if (!device.is_cpu()) return at::empty({static_cast<int64_t>(bytes)}, options);
+  // Host snapshots are staged in the arena: pre-faulted pages, reused, instead
+  // of fresh pages (a page fault each) from malloc for every store.
+  HostBlock* hb = allocate_host(bytes, /*allow_spill=*/true);
+  return at::empty({0}, options).set_(make_host_storage(hb), 0, {static_cast<int64_t>(bytes)}, {1});
+}
 
 std::vector<at::Tensor> Engine::store_to_host(const std::vector<at::Tensor>& values,
                                               bool allow_spill, std::vector<bool>* stored) {
@@ -151,15 +161,21 @@ std::vector<at::Tensor> Engine::store_to_host(const std::vector<at::Tensor>& val
         keepalive.push_back(group[0].dense);
       } else {
         try {
-          at::Tensor staging = at::empty({static_cast<int64_t>(total)},
-                                         at::TensorOptions().dtype(at::kByte).device(device));
-          std::vector<at::Tensor> dst, src;
-          for (const Item& it : group) {
-            dst.push_back(staging.narrow(0, static_cast<int64_t>(it.offset),
-                                         static_cast<int64_t>(it.dense.nbytes())));
-            src.push_back(bytes_of(it.dense));
+          at::Tensor staging = staging_buffer(total, device);
+          char* base = static_cast<char*>(staging.data_ptr());
+          if (device.is_cpu()) {  // the calling thread is the producer
+            for (const Item& it : group) {
+              std::memcpy(base + it.offset, it.dense.data_ptr(), it.dense.nbytes());
+            }
+          } else {  // one batched kernel on the producer's current stream
+            std::vector<at::Tensor> dst, src;
+            for (const Item& it : group) {
+              dst.push_back(staging.narrow(0, static_cast<int64_t>(it.offset),
+                                           static_cast<int64_t>(it.dense.nbytes())));
+              src.push_back(bytes_of(it.dense));
+            }
+            at::_foreach_copy_(dst, src);
           }
-          at::_foreach_copy_(dst, src);
           keepalive.push_back(std::move(staging));
           auto l = lock();
           stats_.snapshot_bytes += total;

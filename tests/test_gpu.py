@@ -153,3 +153,157 @@ def test_device_without_index_means_the_current_device():
     cache.update(0, {"x": x})
     cache.batch_intermediates[0]["x"].device = torch.device("cuda")
     assert torch.equal(cache.fetch(0)["x"], x)
+
+
+# The store contract and the issue-9 cases that only a GPU shows ---------------------------
+
+
+def test_edit_on_the_current_stream_right_after_store_does_not_change_it():
+    x = torch.zeros(1 << 24, device=DEV)
+    (stored,) = _engine.store([x], CPU)
+    x.add_(1)  # queued right behind the snapshot on the same stream
+    _engine.wait_stored(stored)
+    assert torch.all(stored == 0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    y = torch.zeros(1 << 24, device=DEV)
+    (s2,) = _engine.store([y], CPU)
+    with torch.cuda.stream(side):  # another stream, ordered after the store call returned
+        side.wait_stream(torch.cuda.current_stream())
+        y.fill_(5)
+    (back,), _ = _engine.fetch([s2], DEV, True)
+    assert torch.all(back == 0)
+
+
+def test_fetch_of_a_peer_stored_tensor_already_on_the_target_waits_for_its_copy():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    src = torch.full((1 << 24,), 2.0, device="cuda:1")
+    (dst,) = _engine.store([src], DEV)  # peer copy cuda:1 -> cuda:0
+    (back,), _ = _engine.fetch([dst], DEV, True)  # already on cuda:0: must still wait
+    assert torch.all(back == 2.0)
+
+
+def test_gpu_to_cpu_fetch_waits_for_the_producer_stream():
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        x = torch.zeros(1 << 24, device=DEV)
+        for _ in range(20):
+            x.add_(1)
+        (back,), _ = _engine.fetch([x], CPU, True)
+    assert torch.all(back == 20)
+
+
+def test_cpu_target_fetch_with_sources_on_the_gpu_and_the_host():
+    a = torch.full((1000,), 1.0, device=DEV)
+    (b,) = _engine.store([torch.full((1000,), 2.0)], CPU)
+    c = torch.full((1000,), 3.0)
+    back, _ = _engine.fetch([a, b, c], CPU, True)
+    assert [float(t[0]) for t in back] == [1.0, 2.0, 3.0]
+
+
+def test_channels_last_and_conj_on_the_gpu():
+    x = torch.randn(2, 3, 8, 8, device=DEV).to(memory_format=torch.channels_last)
+    z = torch.randn(64, dtype=torch.complex64, device=DEV)
+    sx, sz = _engine.store([x, z.conj()], CPU)
+    (bx, bz), _ = _engine.fetch([sx, sz], DEV, True)
+    assert bx.stride() == x.stride() and torch.equal(bx, x)
+    assert not bz.is_conj() and torch.equal(bz, z.conj().resolve_conj())
+
+
+def test_sticky_cuda_error_does_not_abort_on_release(tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import gc, torch, offcache
+        from offcache import _engine
+        stored = _engine.store([torch.randn(1 << 20, device="cuda") for _ in range(4)], torch.device("cpu"))
+        offcache.synchronize()
+        try:
+            torch.zeros(4, device="cuda")[torch.tensor([7], device="cuda")] = 1.0  # device-side assert
+            torch.cuda.synchronize()
+        except RuntimeError:
+            pass
+        del stored
+        gc.collect()
+        print("survived", flush=True)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode != -6, proc.stderr[-2000:]  # no std::terminate / abort
+    assert "survived" in proc.stdout, proc.stderr[-2000:]
+
+
+# What a GPU pays per call (issue 10) -------------------------------------------------------
+
+
+def test_pooled_events_no_new_events_once_warm():
+    xs = [torch.randn(256, device=DEV) for _ in range(100)]
+    for _ in range(3):  # warm the pool
+        stored = _engine.store(xs, CPU)
+        _engine.fetch(stored, DEV, True)
+        offcache.synchronize()
+    before = offcache.stats()
+    for _ in range(5):
+        stored = _engine.store([x + 1 for x in xs], CPU)
+        _engine.fetch(stored, DEV, True)
+        offcache.synchronize()
+    after = offcache.stats()
+    assert after["events_created"] - before["events_created"] == 0
+    assert after["host_callbacks"] == before["host_callbacks"]
+
+
+def test_store_and_fetch_of_many_small_tensors_are_one_copy_each():
+    xs = [torch.randn(256, device=DEV) for _ in range(1000)]
+    _engine.store([x * 2 for x in xs], CPU)
+    offcache.synchronize()
+    before = offcache.stats()
+    stored = _engine.store(xs, CPU)
+    mid = offcache.stats()
+    back, _ = _engine.fetch(stored, DEV, True)
+    after = offcache.stats()
+    assert mid["copy_calls"] - before["copy_calls"] <= 2
+    assert mid["stream_waits"] - before["stream_waits"] <= 3
+    assert after["copy_calls"] - mid["copy_calls"] == 1
+    assert all(torch.equal(b, x) for b, x in zip(back, xs))
+    assert len({b.untyped_storage().data_ptr() for b in back}) == len(back)  # independent storages
+
+
+def test_fetch_buffers_do_not_wait_for_the_consumers_queued_work():
+    (stored,) = _engine.store([torch.randn(1 << 20, device=DEV)], CPU)
+    offcache.synchronize()
+    import time
+
+    w = torch.randn(4096, 4096, device=DEV)
+    for _ in range(200):  # a long kernel queue on the consumer stream
+        w = w @ w / 4096
+    queued = torch.cuda.Event()
+    queued.record()
+    (back,), ticket = _engine.fetch([stored], DEV, False)
+    deadline = time.monotonic() + 30
+    while not ticket.query() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    # The H2D copy ran beside the queued matmuls, so it finished before them.
+    assert ticket.query() and not queued.query()
+    ticket.wait()
+    torch.cuda.synchronize()
+    assert torch.equal(back, stored.to(DEV))
+
+
+def test_iter_prefetch_depth_two_on_the_gpu():
+    cache = IntermediatesCache.empty(8, "cpu")
+    for i in range(8):
+        cache.update(i, {"h": torch.full((1 << 20,), float(i), device=DEV)})
+    for i, batch in enumerate(cache.iter_prefetch(depth=2)):
+        assert torch.all(batch["h"] == i)
+
+
+def test_peer_access_is_enabled_for_peer_copies():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    x = torch.randn(1 << 20, device="cuda:0")
+    (y,) = _engine.store([x], torch.device("cuda:1"))
+    assert y.device == torch.device("cuda:1") and torch.equal(y.cpu(), x.cpu())

@@ -16,6 +16,7 @@ import torch
 
 import offcache
 from offcache.bench.common import Context, median, spread
+from offcache.bench.transfer import calls_per_tensor
 
 
 @dataclass
@@ -51,20 +52,21 @@ def make_batch(ctx: Context, shape: Shape, seed: int, dtype: torch.dtype | None 
 
 
 def implementations(ctx: Context) -> dict:
-    """name -> (cache class, offload device, prefetch)."""
+    """name -> (cache class, offload device, prefetch depth: 0 for iter())."""
     impls = {
-        "offcache_iter": (offcache.IntermediatesCache, "cpu", False),
-        "offcache_iter_prefetch": (offcache.IntermediatesCache, "cpu", True),
+        "offcache_iter": (offcache.IntermediatesCache, "cpu", 0),
+        "offcache_iter_prefetch": (offcache.IntermediatesCache, "cpu", 1),
+        "offcache_iter_prefetch_depth2": (offcache.IntermediatesCache, "cpu", 2),
     }
     try:
         offcache.unpatch_llmcompressor()
         from llmcompressor.pipelines.cache import IntermediatesCache as LC
 
-        impls["llmcompressor_iter"] = (LC, "cpu", False)
-        impls["llmcompressor_iter_prefetch"] = (LC, "cpu", True)
+        impls["llmcompressor_iter"] = (LC, "cpu", 0)
+        impls["llmcompressor_iter_prefetch"] = (LC, "cpu", 1)
     except ImportError:
         pass
-    impls["ideal_on_gpu"] = (offcache.IntermediatesCache, None, False)
+    impls["ideal_on_gpu"] = (offcache.IntermediatesCache, None, 0)
     return impls
 
 
@@ -75,7 +77,8 @@ def _layer(x: torch.Tensor, weight: torch.Tensor, matmuls: int) -> torch.Tensor:
     return x
 
 
-def run_one(ctx: Context, shape: Shape, cls, offload, prefetch: bool) -> dict:
+def run_one(ctx: Context, shape: Shape, cls, offload, prefetch: int) -> dict:
+    """One pipeline run; `prefetch` is iter_prefetch's depth (0: iter())."""
     dtype = torch.bfloat16 if ctx.gpu else torch.float32
     weight = torch.randn(shape.hidden, shape.hidden, device=ctx.device, dtype=dtype) / shape.hidden**0.5
     cache = cls.empty(shape.batches, offload)
@@ -89,11 +92,17 @@ def run_one(ctx: Context, shape: Shape, cls, offload, prefetch: bool) -> dict:
     def layer(x):
         return _layer(x, weight, shape.matmuls)
 
+    before = offcache.stats()
     t0 = time.perf_counter()
     for li in range(shape.layers):
         names = [f"h{li}", "attention_mask", "position_ids", "position_embeddings"]
         for propagate in (False, True):
-            batches = cache.iter_prefetch(names) if prefetch else cache.iter(names)
+            if not prefetch:
+                batches = cache.iter(names)
+            elif prefetch > 1:
+                batches = cache.iter_prefetch(names, depth=prefetch)
+            else:
+                batches = cache.iter_prefetch(names)
             for b, inputs in enumerate(batches):
                 out = layer(inputs[f"h{li}"])
                 if propagate:
@@ -102,7 +111,10 @@ def run_one(ctx: Context, shape: Shape, cls, offload, prefetch: bool) -> dict:
         peak_host = max(peak_host, cache.size().get(torch.device("cpu"), 0))
     ctx.sync()
     wall = time.perf_counter() - t0
-    row = {"wall_s": wall, "peak_host_live_bytes": peak_host}
+    row = {"wall_s": wall, "peak_host_live_bytes": peak_host, "prefetch_depth": prefetch}
+    if cls is offcache.IntermediatesCache and offload is not None:
+        steps = shape.layers * 2 * shape.batches  # batch fetches (and half as many updates)
+        row["calls_per_batch"] = calls_per_tensor(before, offcache.stats(), steps)
     if ctx.gpu:
         row["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(ctx.device)
     del cache
@@ -134,7 +146,7 @@ def run_pipeline(ctx: Context) -> tuple[list[dict], list[dict], dict]:
     # The copy bound: the same loop through offcache's prefetch with no compute.
     no_compute = dataclasses.replace(shape, matmuls=0)
     copies = median(
-        [run_one(ctx, no_compute, offcache.IntermediatesCache, "cpu", True)["wall_s"] for _ in range(repeats)]
+        [run_one(ctx, no_compute, offcache.IntermediatesCache, "cpu", 1)["wall_s"] for _ in range(repeats)]
     )
     for r in rows:
         r["vs_ideal"] = r["wall_s"] / ideal
@@ -152,6 +164,7 @@ def run_pinned(ctx: Context, shape: Shape) -> list[dict]:
     if not ctx.tiny:  # realistic sizes even on CPU: the ratio is about sizes, not speed
         shape = Shape(batches=16 if ctx.quick else 64, layers=1, seq=2048, hidden=4096, matmuls=0)
     offcache.empty_cache()  # nothing else is alive: what the arena reserves from here is for this cache
+    grown = offcache.stats()
     cache = offcache.IntermediatesCache.empty(shape.batches, "cpu")
     # Calibration samples differ in length: vary the sequence length per batch.
     values = [
@@ -164,10 +177,14 @@ def run_pinned(ctx: Context, shape: Shape) -> list[dict]:
     s = offcache.stats()
     live = sum(cache.size().values())
     # Only this cache is alive now, so everything the arena reserves is for it.
+    chunk_gib = (s["chunk_bytes"] - grown["chunk_bytes"]) / 2**30
     rows = [{
         "impl": "offcache_arena", "live_bytes": live, "reserved_bytes": s["pinned_reserved_bytes"],
         "ratio": s["pinned_reserved_bytes"] / live if live else None,
         "method": "measured (engine stats)",
+        # Making chunks: mmap, pre-faulting and (on CUDA) cudaHostRegister, per GiB.
+        "pinning_s_per_gib": (s["chunk_seconds"] - grown["chunk_seconds"]) / chunk_gib if chunk_gib else None,
+        "pinned": s["pinned"],
     }]  # fmt: skip
     tensors = [t for v in values for t in (v["h0"], v["attention_mask"], v["position_ids"], *v["position_embeddings"])]
     if ctx.gpu and hasattr(torch.cuda, "host_memory_stats"):
@@ -182,15 +199,20 @@ def run_pinned(ctx: Context, shape: Shape) -> list[dict]:
         reserved = sum(_pow2(t.nbytes) for t in tensors)
         method = "model: CachingHostAllocator's power-of-two rounding (no GPU to pin with)"
     live_t = sum(t.nbytes for t in tensors)
-    rows.append(
-        {
-            "impl": "torch_pin_memory",
-            "live_bytes": live_t,
-            "reserved_bytes": reserved,
-            "ratio": reserved / live_t if live_t else None,
-            "method": method,
-        }
-    )
+    row = {
+        "impl": "torch_pin_memory",
+        "live_bytes": live_t,
+        "reserved_bytes": reserved,
+        "ratio": reserved / live_t if live_t else None,
+        "method": method,
+    }
+    if ctx.gpu:  # a fresh pinned block from PyTorch's host allocator: cudaHostAlloc, per GiB
+        size = (1 << 30) + (3 << 20)  # a size the allocator has not cached
+        t0 = time.perf_counter()
+        block = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        row["pinning_s_per_gib"] = (time.perf_counter() - t0) / (size / 2**30)
+        del block
+    rows.append(row)
     del cache
     offcache.synchronize()
     return rows

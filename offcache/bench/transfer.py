@@ -7,6 +7,7 @@ import time
 
 import torch
 
+import offcache
 from offcache import _engine
 from offcache.bench.common import Context, bump_version, gbps, median, spread, timed
 
@@ -198,12 +199,24 @@ def run_small(ctx: Context) -> list[dict]:
         ("pageable_to", "store", to_store, None),
     ]
     for impl, direction, fn, setup in cases:
+        before = offcache.stats()
         secs = timed(ctx, (lambda _s, f=fn: f()) if setup else fn, n, setup=setup)
-        rows.append({
+        row = {
             "impl": impl, "direction": direction, "count": count, "bytes_each": size,
             "us_per_tensor": median(secs) / count * 1e6, "spread": spread(secs),
-        })  # fmt: skip
+        }  # fmt: skip
+        if impl == "offcache":  # what each call asked of the backend (warm-up calls included)
+            row["calls"] = calls_per_tensor(before, offcache.stats(), count * (n + 2))
+        rows.append(row)
     return rows
+
+
+COUNTERS = ("copy_calls", "stream_waits", "events_recorded", "events_created", "syncs", "host_callbacks")
+
+
+def calls_per_tensor(before: dict, after: dict, tensors: int) -> dict:
+    """Backend primitives per tensor between two stats() snapshots."""
+    return {k: (after[k] - before[k]) / tensors for k in COUNTERS}
 
 
 def run_bookkeeping(ctx: Context) -> list[dict]:
