@@ -158,14 +158,15 @@ def summary(r: dict, names=SECTIONS) -> str:
             extra = f"  ({x['vs_ideal']:.2f}x ideal)" if "vs_ideal" in x else ""
             lines.append(f"  {x['impl']:30} {x['wall_s']:.3f}{extra}")
         lines.append("pinned reserved/live: " + " | ".join(f"{x['impl']} {x['ratio']:.2f}" for x in r["pinned"]))
+        pin = [f"{x['impl']} {x['pinning_s_per_gib']:.3f}" for x in r["pinned"] if x.get("pinning_s_per_gib")]
+        if pin:
+            lines.append("seconds per GiB to make pinned memory: " + " | ".join(pin))
     if "kv" in names and r.get("kv"):
-        lines.append("kv decode (tokens/s; equal to DynamicCache):")
+        lines.append("kv decode (tokens/s; tokens equal to DynamicCache, or StaticCache for static rows):")
         for x in r["kv"]:
             if x.get("completed"):
-                lines.append(
-                    f"  {x['case']:15} {x['impl']:24} {x['decode_tokens_per_s_median'] or 0:9.1f}  "
-                    f"{x.get('equal_to_dynamic')}"
-                )
+                equal = x.get("equal_to_static", x.get("equal_to_dynamic"))
+                lines.append(f"  {x['case']:15} {x['impl']:24} {x['decode_tokens_per_s_median'] or 0:9.1f}  {equal}")
             else:
                 lines.append(f"  {x['case']:15} {x['impl']:24} {x.get('error') or x.get('note') or 'not run'}")
     if "soak" in names and r.get("soak"):

@@ -1,0 +1,24 @@
+"""The README states what the code does: its configuration table matches the defaults."""
+
+import re
+from pathlib import Path
+
+from offcache import _engine
+
+README = Path(__file__).parent.parent / "README.md"
+
+
+def test_configuration_table_matches_the_defaults():
+    rows = re.findall(r"^\| `(OFFCACHE_[A-Z_]+)` \| .* \| `([^`]+)` \|$", README.read_text(), re.MULTILINE)
+    documented = dict(rows)
+    by_variable = {variable: str(_engine.DEFAULTS[name]) for name, variable in _engine._ENV.items()}
+    assert documented == by_variable
+
+
+def test_readme_commands_are_the_ones_ci_runs():
+    text = README.read_text()
+    ci = (README.parent / ".ci" / "run").read_text()
+    main_job = "bash scripts/setup.sh && .venv/bin/python -m offcache.bench --quick --out bench-out"
+    tests = "bash scripts/setup.sh && bash scripts/test.sh"
+    assert main_job in text and tests in text
+    assert main_job in ci and tests in ci
