@@ -67,33 +67,29 @@ inline at::Tensor empty_like_on(const at::Tensor& like, c10::Device device) {
                            like.options().device(device).requires_grad(false));
 }
 
-// The one set of rules for what can be stored (the Python layer words them
-// the same way, naming the batch and the value).
+// The one set of rules for what can be stored, worded as offcache/tree.py's
+// check_tensor words them (which adds the batch and the value).
 inline void check_storable(const at::Tensor& t) {
   TORCH_CHECK_TYPE(t.defined(), "offcache: cannot cache an undefined tensor");
   TORCH_CHECK_TYPE(t.layout() == c10::kStrided, "offcache: cannot cache a tensor with layout ",
-                   t.layout(), "; densify it first");
+                   t.layout(), "; only strided (dense) tensors can be cached: densify it first");
   TORCH_CHECK_TYPE(!t.is_quantized(), "offcache: cannot cache a quantized tensor (dtype ",
-                   t.dtype(), "); dequantize it first");
+                   t.scalar_type(), "); dequantize it first");
   TORCH_CHECK_TYPE(!t.is_nested(),
                    "offcache: cannot cache a nested tensor; unbind it into a list first");
   TORCH_CHECK_VALUE(!t.is_meta(), "offcache: cannot cache a meta tensor: it has no data");
   const auto* impl = t.unsafeGetTensorImpl();
   TORCH_CHECK_TYPE(!impl->key_set().has(c10::DispatchKey::Python) && impl->has_storage(),
-                   "offcache: cannot cache a tensor subclass without plain storage (",
-                   "a wrapper subclass such as DTensor); store its inner tensors instead");
+                   "offcache: cannot cache a tensor without data of its own (a wrapper tensor "
+                   "subclass?): cache its inner tensors");
   if (t.numel() > 0) {
-    const size_t need = (t.storage_offset() + 1) * t.element_size() + [&] {
-      size_t extent = 0;
-      for (int64_t d = 0; d < t.dim(); ++d) {
-        extent += static_cast<size_t>(t.size(d) - 1) * t.stride(d);
-      }
-      return extent * t.element_size();
-    }();
-    TORCH_CHECK_VALUE(t.storage().nbytes() >= need,
-                      "offcache: cannot cache a tensor whose storage ", "holds ",
-                      t.storage().nbytes(), " bytes but its view needs ", need,
-                      " (was the storage freed with resize_(0)?)");
+    size_t extent = 1;
+    for (int64_t d = 0; d < t.dim(); ++d)
+      extent += static_cast<size_t>(t.size(d) - 1) * t.stride(d);
+    const size_t need = (static_cast<size_t>(t.storage_offset()) + extent) * t.element_size();
+    const size_t have = t.storage().nbytes();
+    TORCH_CHECK_VALUE(have >= need, "offcache: cannot cache a tensor whose storage holds ", have,
+                      " bytes but the tensor needs ", need, ": was its storage freed or resized?");
   }
 }
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs every check: lint, the C++ core's GoogleTest suite (plain, ASan/UBSan,
-# TSan) with ctest, and the Python suite against the installed package.
-# Needs .venv from scripts/setup.sh.
+# TSan) with ctest, and the Python suite against the engine that
+# scripts/setup.sh built in place. Needs .venv from scripts/setup.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -33,6 +33,4 @@ for san in none address thread; do
 done
 
 if [ -e "${CUDA_HOME:-/usr/local/cuda}/include/cuda_runtime_api.h" ]; then export OFFCACHE_EXPECT_CUDA=1; fi
-# The installed package is tested: the pytest script (unlike python -m pytest) does not put
-# the source tree, which has no compiled _C, ahead of it on sys.path.
-.venv/bin/pytest -p no:cacheprovider -q tests "$@"
+.venv/bin/python -m pytest -p no:cacheprovider -q tests "$@"
