@@ -98,7 +98,10 @@ class Backend {
     event->wait();
   }
 
-  Counters counters;
+  // Shared with CUDA events, which may outlive the backend (a ticket held by the
+  // caller after configure() retired this engine).
+  std::shared_ptr<Counters> shared_counters = std::make_shared<Counters>();
+  Counters& counters = *shared_counters;
 };
 
 // True when the CUDA backend was compiled in (chosen in backend_select.cpp).

@@ -23,7 +23,8 @@ namespace {
 // and fetch records a few. Timed events (tracing, timing) are made fresh.
 class EventPool {
  public:
-  EventPool(int device, Counters& counters) : device_(device), counters_(counters) {}
+  EventPool(int device, std::shared_ptr<Counters> counters)
+      : device_(device), counters_(std::move(counters)) {}
   ~EventPool() {
     for (cudaEvent_t e : free_) (void)cudaEventDestroy(e);  // at exit the context may be gone
   }
@@ -40,7 +41,7 @@ class EventPool {
     cudaEvent_t e = nullptr;
     OFFCACHE_CUDA_CHECK(
         cudaEventCreateWithFlags(&e, timed ? cudaEventDefault : cudaEventDisableTiming));
-    ++counters_.events_created;
+    ++counters_->events_created;
     return e;
   }
   void give_back(cudaEvent_t e, bool timed) noexcept {
@@ -52,10 +53,11 @@ class EventPool {
     free_.push_back(e);
   }
   int device() const { return device_; }
+  Counters* counters() const { return counters_.get(); }
 
  private:
   int device_;
-  Counters& counters_;
+  std::shared_ptr<Counters> counters_;
   std::mutex mu_;
   std::vector<cudaEvent_t> free_;
 };
@@ -63,8 +65,11 @@ class EventPool {
 class CudaEvent final : public Event {
  public:
   // The pool is shared: an event (held by a ticket, say) may outlive its engine.
-  CudaEvent(std::shared_ptr<EventPool> pool, Counters* counters, bool timed)
-      : pool_(std::move(pool)), counters_(counters), timed_(timed), event_(pool_->take(timed)) {}
+  CudaEvent(std::shared_ptr<EventPool> pool, bool timed)
+      : pool_(std::move(pool)),
+        counters_(pool_->counters()),
+        timed_(timed),
+        event_(pool_->take(timed)) {}
   ~CudaEvent() override { pool_->give_back(event_, timed_); }
   void record(cudaStream_t stream) {
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(pool_->device()));
@@ -149,7 +154,7 @@ class CudaCopyStream final : public CopyStream {
     }
   }
   EventPtr record(bool timed) override {
-    auto event = std::make_shared<CudaEvent>(pool_, &counters_, timed);
+    auto event = std::make_shared<CudaEvent>(pool_, timed);
     event->record(stream_);
     return event;
   }
@@ -225,7 +230,7 @@ class CudaBackend : public Backend {
         pinned_(counters),
         owner_pid_(getpid()) {
     const int n = c10::cuda::device_count();
-    for (int d = 0; d < n; ++d) pools_.push_back(std::make_shared<EventPool>(d, counters));
+    for (int d = 0; d < n; ++d) pools_.push_back(std::make_shared<EventPool>(d, shared_counters));
     streams_.resize(n);
   }
   BackendKind kind() const override { return BackendKind::kCuda; }
@@ -248,7 +253,7 @@ class CudaBackend : public Backend {
 
   EventPtr record_current(c10::Device device) override {
     if (device.is_cpu()) return HostEvent::completed();  // CPU work is synchronous
-    auto event = std::make_shared<CudaEvent>(pools_.at(device.index()), &counters, false);
+    auto event = std::make_shared<CudaEvent>(pools_.at(device.index()), false);
     event->record(c10::cuda::getCurrentCUDAStream(device.index()).stream());
     return event;
   }
@@ -273,7 +278,7 @@ class CudaBackend : public Backend {
 
   EventPtr trace_origin(c10::Device device) override {
     if (device.is_cpu()) return HostEvent::completed();
-    auto event = std::make_shared<CudaEvent>(pools_.at(device.index()), &counters, true);
+    auto event = std::make_shared<CudaEvent>(pools_.at(device.index()), true);
     event->record(c10::cuda::getCurrentCUDAStream(device.index()).stream());
     return event;
   }

@@ -145,9 +145,7 @@ def run_pipeline(ctx: Context) -> tuple[list[dict], list[dict], dict]:
     ideal = next(r for r in rows if r["impl"] == "ideal_on_gpu")["wall_s"]
     # The copy bound: the same loop through offcache's prefetch with no compute.
     no_compute = dataclasses.replace(shape, matmuls=0)
-    copies = median(
-        [run_one(ctx, no_compute, offcache.IntermediatesCache, "cpu", 1)["wall_s"] for _ in range(repeats)]
-    )
+    copies = median([run_one(ctx, no_compute, offcache.IntermediatesCache, "cpu", 1)["wall_s"] for _ in range(repeats)])
     for r in rows:
         r["vs_ideal"] = r["wall_s"] / ideal
         r["bound_ratio"] = r["wall_s"] / max(ideal, copies)
