@@ -92,9 +92,13 @@ class Backend {
   virtual void hand_over(const at::Tensor& t, c10::Device consumer) = 0;
   // Lets `from`'s copy engine read and write `to`'s memory directly.
   virtual void enable_peer_access(c10::Device from, c10::Device to) = 0;
+  // False in a forked child of a process whose engine cannot cross fork (CUDA).
+  virtual bool in_owner_process() const { return true; }
+  // Raises the fork error where in_owner_process() is false.
+  virtual void check_process() const {}
   // Host waits for `event`, counted.
   void sync(const EventPtr& event) {
-    ++counters.syncs;
+    ++counters.syncs;  // the one place a host wait is counted
     event->wait();
   }
 

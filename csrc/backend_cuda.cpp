@@ -2,8 +2,10 @@
 // cudaMemcpyAsync, and pinned chunks made by cudaHostRegister on pre-touched
 // pages. CPU-only traffic goes to host copy streams.
 #include <ATen/ATen.h>
+#include <ATen/cuda/PeerToPeerAccess.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <unistd.h>
@@ -45,12 +47,15 @@ class EventPool {
     return e;
   }
   void give_back(cudaEvent_t e, bool timed) noexcept {
-    if (timed) {
-      if (cudaEventDestroy(e) != cudaSuccess) (void)cudaGetLastError();
-      return;
+    if (!timed) {
+      try {
+        std::lock_guard<std::mutex> lock(mu_);
+        free_.push_back(e);
+        return;
+      } catch (...) {  // no memory to keep it: destroy it instead
+      }
     }
-    std::lock_guard<std::mutex> lock(mu_);
-    free_.push_back(e);
+    if (cudaEventDestroy(e) != cudaSuccess) (void)cudaGetLastError();
   }
   int device() const { return device_; }
   Counters* counters() const { return counters_.get(); }
@@ -85,10 +90,7 @@ class CudaEvent final : public Event {
     OFFCACHE_CUDA_CHECK(err);
     return true;
   }
-  void wait() override {
-    ++counters_->syncs;
-    OFFCACHE_CUDA_CHECK(cudaEventSynchronize(event_));
-  }
+  void wait() override { OFFCACHE_CUDA_CHECK(cudaEventSynchronize(event_)); }
   void wait_current(int device) override {
     if (device < 0) return wait();
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
@@ -180,6 +182,10 @@ class CudaCopyStream final : public CopyStream {
   void synchronize_noexcept() noexcept override {
     if (cudaStreamSynchronize(stream_) != cudaSuccess) (void)cudaGetLastError();
   }
+  ~CudaCopyStream() override {
+    // Only a retired engine, synchronised, is destroyed; at exit the context may be gone.
+    if (cudaStreamDestroy(stream_) != cudaSuccess) (void)cudaGetLastError();
+  }
   cudaStream_t get() const { return stream_; }
 
  private:
@@ -194,7 +200,7 @@ class CudaCopyStream final : public CopyStream {
 // limits) returns nullptr so the engine spills instead of crashing.
 class PinnedSource : public ChunkSource {
  public:
-  explicit PinnedSource(Counters& counters) : counters_(counters), pages_(/*dont_fork=*/true) {}
+  explicit PinnedSource(Counters& counters) : counters_(counters), pages_(/*wipe_on_fork=*/true) {}
   void* allocate(size_t bytes, std::string* error) override {
     void* p = pages_.allocate(bytes, error);
     if (p == nullptr) return nullptr;
@@ -237,17 +243,29 @@ class CudaBackend : public Backend {
   ChunkSource& chunks() override { return pinned_; }
   const ChunkSource& chunks() const override { return pinned_; }
 
-  c10::Device resolve_device(c10::Device device) const override {
-    TORCH_CHECK(getpid() == owner_pid_, "offcache: the CUDA engine was created in process ",
-                owner_pid_,
+  bool in_owner_process() const override { return getpid() == owner_pid_; }
+  void check_process() const override {
+    TORCH_CHECK(in_owner_process(), "offcache: the CUDA engine was created in process ", owner_pid_,
                 " and cannot be used in a forked child; use the 'spawn' start method, or "
                 "OFFCACHE_BACKEND=host in the child");
+  }
+
+  c10::Device resolve_device(c10::Device device) const override {
+    check_process();
     TORCH_CHECK(device.is_cpu() || device.is_cuda(), "offcache: unsupported device ", device);
     if (device.is_cuda() && !device.has_index()) {
       device = c10::Device(c10::kCUDA, c10::cuda::current_device());
     }
     TORCH_CHECK(device.is_cpu() || device.index() < static_cast<int>(streams_.size()),
                 "offcache: no such CUDA device ", device);
+    if (device.is_cuda()) {
+      c10::cuda::CUDAGuard guard(device.index());
+      TORCH_CHECK(
+          c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None,
+          "offcache: cannot copy while ", device,
+          "'s current stream is capturing a CUDA graph: the engine's copies and "
+          "host bookkeeping cannot be replayed");
+    }
     return device;
   }
 
@@ -291,18 +309,11 @@ class CudaBackend : public Backend {
 
   void enable_peer_access(c10::Device from, c10::Device to) override {
     if (!from.is_cuda() || !to.is_cuda() || from == to) return;
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!peers_.insert({from.index(), to.index()}).second) return;
-    int can = 0;
-    OFFCACHE_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, from.index(), to.index()));
-    if (!can) return;  // the driver stages the copy through the host instead
-    c10::cuda::CUDAGuard guard(from.index());
-    const cudaError_t err = cudaDeviceEnablePeerAccess(to.index(), 0);
-    if (err == cudaErrorPeerAccessAlreadyEnabled) {
-      (void)cudaGetLastError();
-      return;
-    }
-    OFFCACHE_CUDA_CHECK(err);
+    // Through PyTorch, which also tells its caching allocator (needed for
+    // memory from expandable segments); where P2P is impossible the driver
+    // stages the copy through the host.
+    (void)at::cuda::get_p2p_access(from.index(), to.index());
+    (void)at::cuda::get_p2p_access(to.index(), from.index());
   }
 
  private:
@@ -313,7 +324,6 @@ class CudaBackend : public Backend {
   std::mutex mu_;
   std::vector<std::shared_ptr<EventPool>> pools_;
   std::vector<std::array<std::unique_ptr<CudaCopyStream>, 2>> streams_;
-  std::set<std::pair<int, int>> peers_;
 };
 
 }  // namespace

@@ -55,11 +55,14 @@ void Engine::reclaim_locked() {
 
 void Engine::release(HostBlock* hb) noexcept {
   std::unique_ptr<HostBlock> owned(hb);
+  // In a forked child the CUDA engine's events, registrations and mappings are
+  // the parent's: touching them is undefined, so the block is left alone.
+  if (!backend_->in_owner_process()) return;
   bool delete_now = false;
   {
     std::lock_guard<std::mutex> guard(mu_);
-    deferred_.push(hb->block, std::move(hb->fences));
     try {
+      deferred_.push(hb->block, std::move(hb->fences));
       reclaim_locked();
     } catch (const std::exception& e) {
       // A fence cannot be queried (a sticky CUDA error, say): whether a copy
@@ -76,7 +79,12 @@ void Engine::release(HostBlock* hb) noexcept {
     }
     delete_now = --live_blocks_ == 0 && retired_;
   }
-  if (delete_now) delete_retired(this);
+  if (delete_now) {
+    try {
+      delete_retired(this);
+    } catch (...) {  // no thread to be had: the engine stays (a leak, not a crash)
+    }
+  }
 }
 
 bool Engine::retire() {
@@ -85,7 +93,7 @@ bool Engine::retire() {
   return live_blocks_.load() == 0;
 }
 
-HostBlock* Engine::allocate_host(size_t bytes, bool allow_spill) {
+HostBlock* Engine::allocate_host(size_t bytes, bool allow_spill, bool staging) {
   std::string why;
   std::optional<Block> block;
   for (;;) {
@@ -134,8 +142,8 @@ HostBlock* Engine::allocate_host(size_t bytes, bool allow_spill) {
     TORCH_CHECK(p != nullptr, "offcache: out of host memory for ", bytes, " bytes: ", why);
     hb->block = Block{p, size, kPageableChunk, 0};
     stats_.pageable_bytes += size;
-    ++stats_.spills;
-    if (!spill_warned_) {
+    if (!staging) ++stats_.spills;
+    if (!spill_warned_ && !staging) {
       spill_warned_ = true;
       spill_notice_ = "offcache: pinned arena unavailable (" + why +
                       "); spilling to pageable host memory, copies will be slower";
@@ -236,7 +244,11 @@ EventPtr Engine::issue(Dir dir, CopyStream& stream, const std::vector<EventPtr>&
     stream.synchronize_noexcept();
     throw;
   }
+  std::vector<InFlight> finished;  // destroyed after the lock is released
   auto l = lock();
+  // Every call reaps: a fetch-only loop (calibration, KV decode) must not keep
+  // finished copies' buffers and events alive.
+  finished = reap_locked();
   in_flight_.push_back(InFlight{start, done, bytes, dir, std::move(keepalive)});
   stats_.in_flight_bytes += bytes;
   if (dir == Dir::kStore) {
@@ -247,6 +259,7 @@ EventPtr Engine::issue(Dir dir, CopyStream& stream, const std::vector<EventPtr>&
     stats_.h2d_copies += ops.size();
   }
   note_peaks_locked();
+  l.unlock();
   return done;
 }
 
@@ -262,6 +275,7 @@ EventPtr Engine::pending_write_of(const at::Tensor& t) {
 }
 
 void Engine::wait_stored(const at::Tensor& t) {
+  backend_->check_process();
   EventPtr dep;
   {
     auto l = lock();
@@ -271,6 +285,7 @@ void Engine::wait_stored(const at::Tensor& t) {
 }
 
 void Engine::synchronize() {
+  backend_->check_process();
   std::vector<EventPtr> events;
   {
     auto l = lock();
@@ -290,6 +305,7 @@ void Engine::synchronize() {
 void Engine::trace_start(c10::Device device) {
   synchronize();  // copies issued before the origin are not part of the trace
   EventPtr origin = backend_->trace_origin(backend_->resolve_device(device));
+  backend_->sync(origin);  // no copy may complete before its origin
   auto l = lock();
   trace_.clear();
   trace_origin_ = std::move(origin);
@@ -309,6 +325,7 @@ size_t Engine::empty_cache() {
 }
 
 EngineStats Engine::stats() {
+  backend_->check_process();
   std::vector<InFlight> finished;  // destroyed after the lock is released
   auto l = lock();
   finished = reap_locked();

@@ -128,10 +128,11 @@ class Engine {
     std::vector<at::Tensor> keepalive;  // staging buffers, sources, destinations
   };
 
-  std::unique_lock<std::mutex> lock();                       // mu_, with contention counted
-  EventPtr pending_write_of(const at::Tensor& t);            // needs mu_
-  HostBlock* allocate_host(size_t bytes, bool allow_spill);  // takes mu_
-  void free_block(const Block& block);                       // needs mu_
+  std::unique_lock<std::mutex> lock();             // mu_, with contention counted
+  EventPtr pending_write_of(const at::Tensor& t);  // needs mu_
+  // takes mu_; staging: a snapshot's transient buffer, whose spill is not a value's
+  HostBlock* allocate_host(size_t bytes, bool allow_spill, bool staging = false);
+  void free_block(const Block& block);  // needs mu_
   void reclaim_locked();
   // Issues one batch of copies on `stream` after `deps`, then `split` (fetch's
   // span into independent tensors); returns their completion.

@@ -43,7 +43,8 @@ std::optional<Rows> rows_of(const at::Tensor& t) {
     rows *= dims.back().first;
     dims.pop_back();
   }
-  if (!dims.empty()) return std::nullopt;
+  // Rows closer than a run (expanded or overlapping) are not a 2-D copy.
+  if (!dims.empty() || pitch < run) return std::nullopt;
   return Rows{p, static_cast<size_t>(rows), run * elt, static_cast<size_t>(pitch) * elt};
 }
 
@@ -79,6 +80,7 @@ EventPtr Engine::copy_into(const std::vector<at::Tensor>& dsts, const std::vecto
         src.dtype(), src.sizes(), " must have one dtype and shape");
     const c10::Device from = backend_->resolve_device(src.device());
     const c10::Device to = backend_->resolve_device(dst.device());
+    backend_->enable_peer_access(from, to);
     HostBlock* src_block = host_block_of(src);
     HostBlock* dst_block = host_block_of(dst);
     // Between a GPU and the host, the host side must be offcache's (pinned, fenced).
@@ -121,6 +123,12 @@ EventPtr Engine::copy_into(const std::vector<at::Tensor>& dsts, const std::vecto
   for (auto& g : groups) {
     {
       auto l = lock();
+      // A peer store still writing a device source or destination.
+      for (const auto& t : g.keepalive) {
+        if (!t.device().is_cpu()) {
+          if (EventPtr e = pending_write_of(t)) g.deps.push_back(std::move(e));
+        }
+      }
       // Read after write, and write after read or write, on host blocks.
       for (HostBlock* hb : g.read) {
         if (hb->stored && !hb->stored->query()) g.deps.push_back(hb->stored);

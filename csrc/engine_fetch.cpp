@@ -58,9 +58,12 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
       out[i] = t;
       continue;
     }
-    if (pending[i]) {
+    // Made dense or resolved now (a host op, or a kernel on the source's
+    // stream)? Then that read waits for the pending write; a dense value is
+    // read by the copy, whose stream waits instead (no host block).
+    if (pending[i] && (t.is_conj() || t.is_neg() || !dense(t))) {
       backend_->current_wait(t.device(), pending[i]);
-      pending[i] = nullptr;  // the source device's stream now follows it
+      pending[i] = nullptr;
     }
     at::Tensor d = materialized(t.detach());
     if (d.numel() == 0) {
@@ -159,6 +162,12 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
       keepalive.push_back(out[i]);
     }
     if (!from.is_cpu()) deps.push_back(backend_->record_current(from));  // GPU producer -> copy
+    if (!from.is_cpu() && !device.is_cpu() && from != device) {
+      // Outputs came from the consumer's pool (the copy stream is the source
+      // GPU's): its queued kernels may still use that memory.
+      deps.push_back(backend_->record_current(device));
+      backend_->enable_peer_access(from, device);
+    }
     // Several source devices (rare): each group follows the earlier ones, so the
     // last group's event is the whole fetch's.
     deps.insert(deps.end(), done_events.begin(), done_events.end());
@@ -174,6 +183,9 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
           backend_->hand_over(out[i], device);
       }
     }
+    // No snapshot is taken of a GPU source: later work on its stream must not
+    // modify it before the copy has read it.
+    if (!from.is_cpu()) backend_->current_wait(from, done);
     done_events.push_back(done);
   }
   EventPtr last = done_events.empty() ? nullptr : done_events.back();

@@ -78,7 +78,7 @@ at::Tensor Engine::staging_buffer(size_t bytes, c10::Device device) {
   if (!device.is_cpu()) return at::empty({static_cast<int64_t>(bytes)}, options);
   // Host snapshots are staged in the arena: pre-faulted pages, reused, instead
   // of fresh pages (a page fault each) from malloc for every store.
-  HostBlock* hb = allocate_host(bytes, /*allow_spill=*/true);
+  HostBlock* hb = allocate_host(bytes, /*allow_spill=*/true, /*staging=*/true);
   return at::empty({0}, options).set_(make_host_storage(hb), 0, {static_cast<int64_t>(bytes)}, {1});
 }
 

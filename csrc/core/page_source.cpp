@@ -50,7 +50,9 @@ void* PageSource::allocate(size_t bytes, std::string* error) {
   // Transparent huge pages where the kernel allows them: fewer faults and TLB
   // misses; advice only, failures are harmless.
   (void)madvise(p, bytes, MADV_HUGEPAGE);
-  if (dont_fork_) (void)madvise(p, bytes, MADV_DONTFORK);
+#ifdef MADV_WIPEONFORK
+  if (wipe_on_fork_) (void)madvise(p, bytes, MADV_WIPEONFORK);
+#endif
   prefault(static_cast<char*>(p), bytes);
   return p;
 }

@@ -8,15 +8,16 @@ namespace offcache {
 
 class PageSource : public ChunkSource {
  public:
-  // dont_fork: the pages are not copied into a forked child (pinned chunks:
-  // a DataLoader worker must not duplicate the arena).
-  explicit PageSource(bool dont_fork = false) : dont_fork_(dont_fork) {}
+  // wipe_on_fork: a forked child sees zero pages instead of copies (pinned
+  // chunks: a DataLoader worker must not duplicate the arena; the range stays
+  // mapped, so nothing else of the child's lands in it).
+  explicit PageSource(bool wipe_on_fork = false) : wipe_on_fork_(wipe_on_fork) {}
   void* allocate(size_t bytes, std::string* error) override;
   void release(void* ptr, size_t bytes) noexcept override;
   bool pinned() const override { return false; }
 
  private:
-  bool dont_fork_;
+  bool wipe_on_fork_;
 };
 
 }  // namespace offcache
