@@ -1,0 +1,107 @@
+"""Adversarial tests: each failing test is a bug in offcache (see the one-line comment on each).
+
+Hang- or crash-prone cases run in a subprocess with a timeout.
+"""
+
+import copy
+import io
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+
+import offcache
+from offcache import IntermediatesCache, _engine
+
+CPU = torch.device("cpu")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_script(body: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """Run `body` in a fresh interpreter with offcache importable; a hang is reported, not waited on."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    script = "import faulthandler; faulthandler.dump_traceback_later(%d, exit=True)\n" % int(timeout - 5)
+    script += textwrap.dedent(body)
+    try:
+        return subprocess.run(
+            [sys.executable, "-W", "ignore", "-c", script], capture_output=True, text=True, timeout=timeout, env=env
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"script hung for {timeout}s: {exc.stdout!r} {exc.stderr!r}")
+
+
+# --- dedup table serving stale values ---------------------------------------------------------
+
+
+def test_edit_through_dot_data_is_not_served_stale_from_dedup(host_engine):
+    # Expected: update() stores what x holds at the call; `x.data.add_()` (no version bump) must not be missed.
+    cache = IntermediatesCache.empty(2, "cpu")
+    x = torch.ones(4)
+    cache.update(0, {"x": x})
+    x.data.add_(1)  # the common `param.data.<op>_()` idiom: x's version counter does not move
+    cache.update(1, {"x": x})
+    assert torch.equal(cache.fetch(1)["x"], torch.full((4,), 2.0))
+    assert torch.equal(cache.fetch(0)["x"], torch.ones(4))
+
+
+def test_edit_of_the_stored_value_is_not_served_for_an_unchanged_source(host_engine):
+    # Expected: batch 1 holds x's values (ones); an in-place edit of batch 0's stored `.value` must not leak into it.
+    cache = IntermediatesCache.empty(2, "cpu")
+    x = torch.ones(4)
+    cache.update(0, {"x": x})
+    cache.batch_intermediates[0]["x"].value.mul_(5)
+    cache.update(1, {"x": x})
+    assert torch.equal(cache.fetch(1)["x"], torch.ones(4))
+    assert torch.equal(cache.fetch(0)["x"], torch.full((4,), 5.0))
+
+
+# --- results differ from llm-compressor's cache ------------------------------------------------
+
+
+def test_size_of_an_inference_tensor_shared_by_two_batches_matches_llmcompressor(host_engine):
+    # Expected: size() equals llm-compressor's (a tensor stored in two batches counts once), here 48 bytes, not 96.
+    from llmcompressor.pipelines.cache import IntermediatesCache as Reference
+
+    with torch.inference_mode():
+        x = torch.randn(3, 4)
+    ref, ours = Reference.empty(2, "cpu"), IntermediatesCache.empty(2, "cpu")
+    for i in range(2):
+        ref.update(i, {"a": x})
+        ours.update(i, {"a": x})
+    assert ours.size() == ref.size()
+
+
+# --- configure() from another thread ----------------------------------------------------------
+
+
+def test_configure_from_another_thread_during_a_store():
+    # Expected: the store in flight completes with the right value; no hang, no crash, no wrong bytes.
+    proc = run_script(
+        """
+        import threading, time, torch, offcache
+        from offcache import _engine
+        offcache.configure(backend="host")
+        big = torch.randn(4096, 8192).t()  # 128 MiB, not contiguous: made dense before its block is allocated
+        _engine.store([torch.ones(1)], torch.device("cpu"))  # the engine exists
+        res = {}
+        def worker():
+            try:
+                out = _engine.store([big], torch.device("cpu"))
+                _engine.synchronize()
+                res["ok"] = torch.equal(out[0], big)
+            except Exception as e:
+                res["err"] = repr(e)
+        t = threading.Thread(target=worker); t.start()
+        time.sleep(0.02)
+        offcache.configure(backend="host")
+        t.join()
+        print("RESULT", res, flush=True)
+        """,
+        timeout=60,
+    )
+    assert proc.returncode == 0 and "RESULT {'ok': True}" in proc.stdout, (proc.returncode, proc.stdout, proc.stderr[-3000:])
