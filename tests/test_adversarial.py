@@ -102,6 +102,35 @@ def test_configure_from_another_thread_during_a_store():
         t.join()
         print("RESULT", res, flush=True)
         """,
-        timeout=60,
+        timeout=30,
     )
     assert proc.returncode == 0 and "RESULT {'ok': True}" in proc.stdout, (proc.returncode, proc.stdout, proc.stderr[-3000:])
+
+
+def test_size_of_a_wrapper_subclass_matches_llmcompressor(host_engine):
+    # Expected: size() equals llm-compressor's: a TwoTensor of 3 floats counts its nbytes (12), not its two inner tensors (24).
+    from llmcompressor.pipelines.cache import IntermediatesCache as Reference
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    t = TwoTensor(torch.randn(3), torch.randn(3))
+    ref, ours = Reference.empty(1, "cpu"), IntermediatesCache.empty(1, "cpu")
+    ref.update(0, {"t": t})
+    ours.update(0, {"t": t})
+    assert ours.size() == ref.size()
+
+
+# --- copy_into with overlapping memory ------------------------------------------------------
+
+
+def test_copy_into_refuses_a_source_overlapping_its_destination(host_engine):
+    # Expected: ValueError (as torch's copy_ refuses partial overlap), not a silent memcpy over overlapping memory (UB).
+    b = torch.arange(10.0)
+    with pytest.raises(ValueError):
+        _engine.copy_into([b[1:]], [b[:-1]], wait=True)
+
+
+def test_copy_into_refuses_a_destination_with_repeated_elements(host_engine):
+    # Expected: ValueError for an expanded (0-stride) destination, as torch refuses; not rows silently overwritten.
+    dst = torch.zeros(4).expand(3, 4)
+    with pytest.raises(ValueError):
+        _engine.copy_into([dst], [torch.arange(12.0).reshape(3, 4)], wait=True)
