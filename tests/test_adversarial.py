@@ -134,3 +134,49 @@ def test_copy_into_refuses_a_destination_with_repeated_elements(host_engine):
     dst = torch.zeros(4).expand(3, 4)
     with pytest.raises(ValueError):
         _engine.copy_into([dst], [torch.arange(12.0).reshape(3, 4)], wait=True)
+
+
+# --- serialising a stored value exposes arena bytes it never filled ------------------------------
+
+SEVENS = torch.full((16,), 7.0).numpy().tobytes()  # 64 bytes of a freed value's data
+
+
+def _small_value_stored_over_freed_arena_memory():
+    """A 4-float value stored into arena memory that held 7.0s of a value deleted before."""
+    offcache.configure(backend="host", min_chunk="256KiB")
+    cache = IntermediatesCache.empty(2, "cpu")
+    cache.update(0, {"secret": torch.full((50000,), 7.0)})
+    cache.delete(0)
+    offcache.synchronize()
+    cache.update(1, {"small": torch.ones(4)})
+    return cache, cache.batch_intermediates[1]["small"].value
+
+
+def test_torch_save_of_a_stored_value_holds_no_stale_arena_bytes(host_engine):
+    # Expected: torch.save(iv.value) writes the value's bytes only, never another (freed) value's arena memory.
+    _, value = _small_value_stored_over_freed_arena_memory()
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    assert SEVENS not in buf.getvalue()
+
+
+def test_deepcopy_of_a_stored_value_holds_no_stale_arena_bytes(host_engine):
+    # Expected: copy.deepcopy(iv.value)'s storage holds the value's 16 bytes, not the rest of its arena block.
+    _, value = _small_value_stored_over_freed_arena_memory()
+    storage = bytes(copy.deepcopy(value).untyped_storage())
+    assert SEVENS not in storage
+
+
+def test_pickle_of_a_cache_holds_no_stale_arena_bytes(host_engine):
+    # Expected: pickle.dumps(cache) carries the stored values, not stale bytes of values deleted earlier.
+    cache, _ = _small_value_stored_over_freed_arena_memory()
+    assert SEVENS not in pickle.dumps(cache)
+
+
+def test_torch_save_of_a_small_value_does_not_carry_its_batch_neighbours(host_engine):
+    # Expected: saving the 32-byte mask writes about 32 bytes of tensor data, not the 800 kB of the value packed with it.
+    cache = IntermediatesCache.empty(1, "cpu")
+    cache.update(0, {"h": torch.randn(200000), "mask": torch.ones(8)})
+    buf = io.BytesIO()
+    torch.save(cache.batch_intermediates[0]["mask"].value, buf)
+    assert len(buf.getvalue()) < 64 * 1024
