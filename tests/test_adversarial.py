@@ -49,6 +49,28 @@ def test_edit_through_dot_data_is_not_served_stale_from_dedup(host_engine):
     assert torch.equal(cache.fetch(0)["x"], torch.ones(4))
 
 
+def _edit_via_storage(x):
+    x.untyped_storage().copy_(torch.full((4,), 2.0).untyped_storage())
+
+
+def _edit_via_set_alias(x):
+    alias = torch.empty(0)
+    alias.set_(x.untyped_storage(), 0, (4,), (1,))  # an alias with its own version counter
+    alias.fill_(2.0)
+
+
+@pytest.mark.parametrize("edit", [_edit_via_storage, _edit_via_set_alias], ids=["untyped_storage", "set_alias"])
+def test_edit_through_a_torch_alias_is_not_served_stale_from_dedup(host_engine, edit):
+    # Expected: update() stores what x holds at the call (2.0s) after torch-level writes that skip x's version counter.
+    cache = IntermediatesCache.empty(2, "cpu")
+    x = torch.ones(4)
+    cache.update(0, {"x": x})
+    edit(x)
+    assert torch.equal(x, torch.full((4,), 2.0))
+    cache.update(1, {"x": x})
+    assert torch.equal(cache.fetch(1)["x"], torch.full((4,), 2.0))
+
+
 def test_edit_of_the_stored_value_is_not_served_for_an_unchanged_source(host_engine):
     # Expected: batch 1 holds x's values (ones); an in-place edit of batch 0's stored `.value` must not leak into it.
     cache = IntermediatesCache.empty(2, "cpu")
