@@ -204,6 +204,18 @@ def test_torch_save_of_a_small_value_does_not_carry_its_batch_neighbours(host_en
     assert len(buf.getvalue()) < 64 * 1024
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a visible GPU")
+def test_configure_cuda_without_a_gpu_fails_at_once_and_keeps_the_old_engine(host_engine):
+    # Expected: configure(backend="cuda") with no GPU raises at the call; stored values stay readable. Now it is
+    # accepted, retires the working engine, and every later .value / fetch / deepcopy raises RuntimeError.
+    cache = IntermediatesCache.empty(1, "cpu")
+    cache.update(0, {"x": torch.ones(3)})
+    with pytest.raises((ValueError, RuntimeError)):
+        offcache.configure(backend="cuda")
+    assert torch.equal(cache.batch_intermediates[0]["x"].value, torch.ones(3))
+    assert torch.equal(cache.fetch(0)["x"], torch.ones(3))
+
+
 # --- tried and held (coverage the rest of the suite lacks; these pass) ------------------------------
 
 ODD_DTYPES = [
