@@ -210,10 +210,13 @@ def test_configure_cuda_without_a_gpu_fails_at_once_and_keeps_the_old_engine(hos
     # accepted, retires the working engine, and every later .value / fetch / deepcopy raises RuntimeError.
     cache = IntermediatesCache.empty(1, "cpu")
     cache.update(0, {"x": torch.ones(3)})
-    with pytest.raises((ValueError, RuntimeError)):
-        offcache.configure(backend="cuda")
-    assert torch.equal(cache.batch_intermediates[0]["x"].value, torch.ones(3))
-    assert torch.equal(cache.fetch(0)["x"], torch.ones(3))
+    try:
+        with pytest.raises((ValueError, RuntimeError)):
+            offcache.configure(backend="cuda")
+        assert torch.equal(cache.batch_intermediates[0]["x"].value, torch.ones(3))
+        assert torch.equal(cache.fetch(0)["x"], torch.ones(3))
+    finally:
+        offcache.configure(backend="host")  # leave a working engine for the fixture's teardown and later tests
 
 
 # --- tried and held (coverage the rest of the suite lacks; these pass) ------------------------------
