@@ -22,6 +22,19 @@ CPU = torch.device("cpu")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.fixture(autouse=True)
+def _drop_failure_frames():
+    """A failing test's frames (kept by pytest in sys.last_traceback) hold stored tensors, and so retired
+    engines, which other modules' tests count: let them go after each test here."""
+    yield
+    sys.last_type = sys.last_value = sys.last_traceback = None
+    if hasattr(sys, "last_exc"):
+        sys.last_exc = None
+    import gc
+
+    gc.collect()
+
+
 def run_script(body: str, timeout: float = 60) -> subprocess.CompletedProcess:
     """Run `body` in a fresh interpreter with offcache importable; a hang is reported, not waited on."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
