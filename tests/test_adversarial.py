@@ -111,6 +111,17 @@ def test_size_of_an_inference_tensor_shared_by_two_batches_matches_llmcompressor
     assert ours.size() == ref.size()
 
 
+# --- half-done on error -------------------------------------------------------------------------
+
+
+def test_failed_append_leaves_no_empty_batch(host_engine):
+    # Expected: an append() refused with TypeError leaves the cache as it was (1 batch), not with a new empty batch.
+    cache = IntermediatesCache.empty(1, "cpu")
+    with pytest.raises(TypeError, match="batch 1, value 'b'"):
+        cache.append({"a": torch.ones(2), "b": torch.eye(2).to_sparse()})
+    assert len(cache) == 1
+
+
 # --- configure() from another thread ----------------------------------------------------------
 
 
