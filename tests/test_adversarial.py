@@ -10,7 +10,6 @@ import pickle
 import subprocess
 import sys
 import textwrap
-import warnings
 
 import pytest
 import torch
@@ -38,7 +37,7 @@ def _drop_failure_frames():
 def run_script(body: str, timeout: float = 60) -> subprocess.CompletedProcess:
     """Run `body` in a fresh interpreter with offcache importable; a hang is reported, not waited on."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    script = "import faulthandler; faulthandler.dump_traceback_later(%d, exit=True)\n" % int(timeout - 5)
+    script = f"import faulthandler; faulthandler.dump_traceback_later({int(timeout - 5)}, exit=True)\n"
     script += textwrap.dedent(body)
     try:
         return subprocess.run(
@@ -150,11 +149,12 @@ def test_configure_from_another_thread_during_a_store():
         """,
         timeout=30,
     )
-    assert proc.returncode == 0 and "RESULT {'ok': True}" in proc.stdout, (proc.returncode, proc.stdout, proc.stderr[-3000:])
+    why = (proc.returncode, proc.stdout, proc.stderr[-3000:])
+    assert proc.returncode == 0 and "RESULT {'ok': True}" in proc.stdout, why
 
 
 def test_size_of_a_wrapper_subclass_matches_llmcompressor(host_engine):
-    # Expected: size() equals llm-compressor's: a TwoTensor of 3 floats counts its nbytes (12), not its two inner tensors (24).
+    # Expected: size() equals llm-compressor's: a TwoTensor of 3 floats counts 12 bytes, not its 2 inner tensors' 24.
     from llmcompressor.pipelines.cache import IntermediatesCache as Reference
     from torch.testing._internal.two_tensor import TwoTensor
 
@@ -220,7 +220,7 @@ def test_pickle_of_a_cache_holds_no_stale_arena_bytes(host_engine):
 
 
 def test_torch_save_of_a_small_value_does_not_carry_its_batch_neighbours(host_engine):
-    # Expected: saving the 32-byte mask writes about 32 bytes of tensor data, not the 800 kB of the value packed with it.
+    # Expected: saving the 32-byte mask writes ~32 bytes of tensor data, not the 800 kB of the value packed with it.
     cache = IntermediatesCache.empty(1, "cpu")
     cache.update(0, {"h": torch.randn(200000), "mask": torch.ones(8)})
     buf = io.BytesIO()
@@ -307,7 +307,8 @@ def test_fork_pool_nested_fork_and_configure_in_the_child():
         timeout=90,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "pool [True, True, True, True]" in proc.stdout and "parent True" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    out = proc.stdout + proc.stderr[-2000:]
+    assert "pool [True, True, True, True]" in proc.stdout and "parent True" in proc.stdout, out
 
 
 def test_threads_share_one_cache_under_a_tiny_budget_while_configure_runs():
