@@ -71,8 +71,9 @@ void after_fork() {
 
 }  // namespace
 
-Engine& global_engine() {
-  std::lock_guard<std::mutex> lock(g_mu);
+namespace {
+
+Engine& global_engine_locked() {
   TORCH_INTERNAL_ASSERT(g_configured, "offcache: the engine is used before offcache.configure()");
   if (g_engine == nullptr) {
     std::call_once(g_atfork_once, [] { pthread_atfork(&before_fork, &after_fork, &after_fork); });
@@ -82,6 +83,19 @@ Engine& global_engine() {
     g_engine = new Engine(choose(g_config), arena, g_config.max_in_flight);
   }
   return *g_engine;
+}
+
+}  // namespace
+
+Engine& global_engine() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return global_engine_locked();
+}
+
+EngineUse::EngineUse() {
+  std::lock_guard<std::mutex> lock(g_mu);  // configure() retires under g_mu: enter first
+  engine_ = &global_engine_locked();
+  engine_->enter();
 }
 
 bool global_engine_created() {
@@ -107,6 +121,14 @@ void configure_global_engine(const std::string& backend, size_t pinned_limit, si
                     "offcache: the smallest chunk (OFFCACHE_CHUNK_BYTES) must be > 0");
   TORCH_CHECK_VALUE(host_copy_delay_us >= 0,
                     "offcache: OFFCACHE_HOST_COPY_DELAY_US must be >= 0, got ", host_copy_delay_us);
+#ifdef OFFCACHE_WITH_CUDA
+  const bool cuda_visible = cuda_device_count() > 0;
+#else
+  const bool cuda_visible = false;
+#endif
+  // Refused now, not at first use: the working engine stays.
+  TORCH_CHECK(choice != Choice::kCuda || cuda_visible, "offcache: OFFCACHE_BACKEND=cuda, but ",
+              cuda_compiled() ? "no CUDA device is visible" : "offcache was built without CUDA");
   Engine* old = nullptr;
   {
     std::lock_guard<std::mutex> lock(g_mu);
@@ -136,11 +158,30 @@ void delete_retired(Engine* engine) {
   std::thread([engine] { delete engine; }).detach();
 }
 
+void synchronize_all() {
+  std::vector<Engine*> engines;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (g_engine) engines.push_back(g_engine);
+    engines.insert(engines.end(), g_retired.begin(), g_retired.end());
+    for (Engine* e : engines) e->enter();  // none is deleted while we wait on it
+  }
+  struct Leave {
+    std::vector<Engine*>& engines;
+    ~Leave() {
+      for (Engine* e : engines) e->leave();
+    }
+  } leave{engines};
+  for (Engine* e : engines) e->synchronize();
+}
+
 std::pair<size_t, size_t> retired_engines() {
   // Under g_mu: a retired engine is deleted only after it left g_retired.
   std::lock_guard<std::mutex> lock(g_mu);
   size_t reserved = 0;
-  for (Engine* e : g_retired) reserved += e->stats().pinned_reserved_bytes;
+  // reserved_bytes(), not stats(): stats() reaps, and a tensor dying here
+  // could delete its retired engine, which takes g_mu.
+  for (Engine* e : g_retired) reserved += e->reserved_bytes();
   return {g_retired.size(), reserved};
 }
 

@@ -10,7 +10,6 @@
 
 namespace py = pybind11;
 using offcache::EventPtr;
-using offcache::global_engine;
 
 namespace {
 
@@ -34,7 +33,7 @@ py::dict stats_dict() {
   offcache::EngineStats s;
   {
     py::gil_scoped_release release;
-    s = global_engine().stats();
+    s = offcache::EngineUse()->stats();
   }
   py::dict d;
 #define OFFCACHE_FIELD(name) d[#name] = s.name
@@ -73,7 +72,7 @@ py::dict stats_dict() {
   OFFCACHE_FIELD(pinned_registrations);
   OFFCACHE_FIELD(syncs);
 #undef OFFCACHE_FIELD
-  d["pinned"] = global_engine().arena_pinned();
+  d["pinned"] = offcache::EngineUse()->arena_pinned();
   auto [retired, retired_bytes] = offcache::retired_engines();
   d["retired_engines"] = retired;
   d["retired_reserved_bytes"] = retired_bytes;
@@ -93,7 +92,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "store",
       [](const std::vector<at::Tensor>& values, c10::Device device, bool allow_spill) {
-        return global_engine().store(values, device, allow_spill);
+        return offcache::EngineUse()->store(values, device, allow_spill);
       },
       py::arg("values"), py::arg("device"), py::arg("allow_spill") = true,
       py::call_guard<py::gil_scoped_release>(),
@@ -101,7 +100,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "fetch",
       [](const std::vector<at::Tensor>& stored, c10::Device device, bool wait) {
-        auto& engine = global_engine();
+        offcache::EngineUse use;  // held for the whole call
+        auto& engine = *use;
         device = engine.backend().resolve_device(device);
         auto f = engine.fetch(stored, device, wait);
         return std::make_pair(std::move(f.tensors), ticket_for(std::move(f.done), device));
@@ -112,7 +112,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "copy_into",
       [](const std::vector<at::Tensor>& dsts, const std::vector<at::Tensor>& srcs, bool wait) {
-        auto& engine = global_engine();
+        offcache::EngineUse use;  // held for the whole call
+        auto& engine = *use;
         EventPtr done = engine.copy_into(dsts, srcs, wait);
         c10::Device consumer(c10::kCPU);
         for (const auto& d : dsts) {
@@ -124,27 +125,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::call_guard<py::gil_scoped_release>(),
       "Copy srcs[i] into the existing dsts[i] on the copy streams. Returns a ticket.");
   m.def(
-      "set_timing", [](bool on) { global_engine().set_timing(on); }, py::arg("on"),
+      "set_timing", [](bool on) { offcache::EngineUse()->set_timing(on); }, py::arg("on"),
       "Time every copy batch (d2h_seconds / h2d_seconds in stats) with timed events.");
   m.def(
-      "synchronize", [] { global_engine().synchronize(); },
-      py::call_guard<py::gil_scoped_release>());
+      "synchronize", [] { offcache::synchronize_all(); }, py::call_guard<py::gil_scoped_release>());
   m.def(
-      "wait_stored", [](const at::Tensor& t) { global_engine().wait_stored(t); },
+      "wait_stored", [](const at::Tensor& t) { offcache::EngineUse()->wait_stored(t); },
       py::call_guard<py::gil_scoped_release>(),
       "Block until the store that produced `t` has written it.");
   m.def(
-      "empty_cache", [] { return global_engine().empty_cache(); },
+      "empty_cache", [] { return offcache::EngineUse()->empty_cache(); },
       py::call_guard<py::gil_scoped_release>());
   m.def(
-      "trace_start", [](c10::Device device) { global_engine().trace_start(device); },
+      "trace_start", [](c10::Device device) { offcache::EngineUse()->trace_start(device); },
       py::call_guard<py::gil_scoped_release>(),
       "Record copy batches from now on, timed from an event on `device`'s current stream.");
   m.def("trace_stop", [] {
     std::vector<offcache::Engine::TraceRow> rows;
     {
       py::gil_scoped_release release;
-      rows = global_engine().trace_stop();
+      rows = offcache::EngineUse()->trace_stop();
     }
     py::list out;
     for (const auto& r : rows) {
@@ -160,16 +160,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stats", &stats_dict);
   m.def("_fail_next_copy", &offcache::HostCopyStream::fail_next_copy,
         "Tests: the next host copy call queues its copies, then raises.");
-  m.def("set_pinned_limit", [](size_t bytes) { global_engine().set_limit(bytes); });
-  m.def("take_spill_notice", [] { return global_engine().take_spill_notice(); });
-  m.def("backend_name", [] { return global_engine().backend().name(); });
-  m.def("is_arena_tensor", [](const at::Tensor& t) { return global_engine().is_arena_tensor(t); });
+  m.def("set_pinned_limit", [](size_t bytes) { offcache::EngineUse()->set_limit(bytes); });
+  m.def(
+      "take_spill_notice", [] { return offcache::EngineUse()->take_spill_notice(); },
+      py::call_guard<py::gil_scoped_release>());
+  m.def("backend_name", [] { return offcache::EngineUse()->backend().name(); });
+  m.def("is_arena_tensor",
+        [](const at::Tensor& t) { return offcache::EngineUse()->is_arena_tensor(t); });
   m.def("is_offcache_tensor",
         [](const at::Tensor& t) { return offcache::host_block_of(t) != nullptr; });
   m.def("engine_created", &offcache::global_engine_created);
   m.def("configure", &offcache::configure_global_engine, py::arg("backend"),
         py::arg("pinned_limit"), py::arg("min_chunk"), py::arg("max_in_flight"),
-        py::arg("host_copy_delay_us"),
+        py::arg("host_copy_delay_us"), py::call_guard<py::gil_scoped_release>(),
         "Replace the process-wide engine (earlier stored tensors keep working).");
   m.attr("cuda_compiled") = offcache::cuda_compiled();
   m.attr("torch_version") = OFFCACHE_TORCH_VERSION;

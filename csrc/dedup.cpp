@@ -5,8 +5,13 @@
 namespace offcache {
 namespace {
 
-// Inference tensors have no version counter, so they cannot be deduplicated safely.
-bool trackable(const at::Tensor& t) { return !t.is_inference(); }
+// Inference tensors have no version counter: only CPU ones, whose bytes the
+// engine compares on every hit, can be deduplicated.
+bool trackable(const at::Tensor& t) { return !t.is_inference() || t.device().is_cpu(); }
+
+uint32_t version_of(const at::Tensor& t) {
+  return t.is_inference() ? 0 : t.unsafeGetTensorImpl()->version_counter().current_version();
+}
 
 }  // namespace
 
@@ -20,14 +25,15 @@ std::optional<at::Tensor> DedupTable::find(const at::Tensor& source, c10::Device
   if (e.source.expired() || e.target != target || !matches(e, source)) return std::nullopt;
   auto stored = e.stored.lock();
   if (!stored) return std::nullopt;
-  return at::Tensor(std::move(stored));
+  at::Tensor copy(std::move(stored));
+  if (version_of(copy) != e.stored_version) return std::nullopt;  // the stored copy was edited
+  return copy;
 }
 
 bool DedupTable::matches(const Entry& e, const at::Tensor& t) {
-  return e.version == t.unsafeGetTensorImpl()->version_counter().current_version() &&
-         e.storage == t.storage().unsafeGetStorageImpl() && e.data == t.data_ptr() &&
-         e.dtype == t.dtype() && t.sizes().equals(e.sizes) && t.strides().equals(e.strides) &&
-         e.requires_grad == t.requires_grad();
+  return e.version == version_of(t) && e.storage == t.storage().unsafeGetStorageImpl() &&
+         e.data == t.data_ptr() && e.dtype == t.dtype() && t.sizes().equals(e.sizes) &&
+         t.strides().equals(e.strides) && e.requires_grad == t.requires_grad();
 }
 
 void DedupTable::insert(const at::Tensor& source, const at::Tensor& stored, c10::Device target) {
@@ -36,9 +42,9 @@ void DedupTable::insert(const at::Tensor& source, const at::Tensor& stored, c10:
   entries_.insert_or_assign(
       impl, Entry{c10::weak_intrusive_ptr<c10::TensorImpl>(source.getIntrusivePtr()),
                   c10::weak_intrusive_ptr<c10::TensorImpl>(stored.getIntrusivePtr()),
-                  impl->version_counter().current_version(),
-                  source.storage().unsafeGetStorageImpl(), source.data_ptr(), source.dtype(),
-                  source.sizes().vec(), source.strides().vec(), source.requires_grad(), target});
+                  version_of(source), version_of(stored), source.storage().unsafeGetStorageImpl(),
+                  source.data_ptr(), source.dtype(), source.sizes().vec(), source.strides().vec(),
+                  source.requires_grad(), target});
   // Sweeping once inserts outnumber the entries that survived the last sweep
   // keeps the table within twice its live entries (plus 1024), at O(1) amortised.
   if (++inserts_since_sweep_ >= std::max<size_t>(1024, live_after_sweep_)) sweep();

@@ -1,8 +1,10 @@
 // Tensor-identity dedup table. The key is the source TensorImpl, held
-// weakly so the entry dies with the tensor. An entry is served only while
-// the source is unchanged as far as torch can tell: same version counter,
-// storage, data pointer, dtype, sizes, strides and requires_grad. (A write
-// through numpy or DLPack bumps nothing and cannot be seen.)
+// weakly so the entry dies with the tensor. An entry is a candidate only
+// while the source is unchanged as far as torch can tell (same version
+// counter, storage, data pointer, dtype, sizes, strides and requires_grad)
+// and the stored copy was not edited (its version counter). The engine then
+// compares the bytes of CPU sources, which catches writes that bump nothing
+// (through .data, another alias, numpy); for GPU sources it cannot look.
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -24,7 +26,7 @@ class DedupTable {
   struct Entry {
     c10::weak_intrusive_ptr<c10::TensorImpl> source;
     c10::weak_intrusive_ptr<c10::TensorImpl> stored;
-    uint32_t version;
+    uint32_t version, stored_version;
     const c10::StorageImpl* storage;
     const void* data;
     caffe2::TypeMeta dtype;

@@ -77,7 +77,7 @@ void Engine::release(HostBlock* hb) noexcept {
                      e.what());
       }
     }
-    delete_now = --live_blocks_ == 0 && retired_;
+    delete_now = --live_blocks_ == 0 && retired_ && active_.load() == 0;
   }
   if (delete_now) {
     try {
@@ -90,7 +90,16 @@ void Engine::release(HostBlock* hb) noexcept {
 bool Engine::retire() {
   std::lock_guard<std::mutex> guard(mu_);
   retired_ = true;
-  return live_blocks_.load() == 0;
+  return live_blocks_.load() == 0 && active_.load() == 0;
+}
+
+void Engine::leave() {
+  bool delete_now;
+  {
+    std::lock_guard<std::mutex> guard(mu_);
+    delete_now = --active_ == 0 && retired_ && live_blocks_.load() == 0;
+  }
+  if (delete_now) delete_retired(this);
 }
 
 HostBlock* Engine::allocate_host(size_t bytes, bool allow_spill, bool staging) {
@@ -316,6 +325,11 @@ std::vector<Engine::TraceRow> Engine::trace_stop() {
   auto l = lock();
   trace_origin_.reset();
   return std::exchange(trace_, {});
+}
+
+size_t Engine::reserved_bytes() {
+  auto l = lock();
+  return arena_.reserved_bytes();
 }
 
 size_t Engine::empty_cache() {

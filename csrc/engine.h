@@ -107,6 +107,7 @@ class Engine {
   std::string take_spill_notice();
   const Backend& backend() const { return *backend_; }
   bool arena_pinned() const { return backend_->chunks().pinned(); }
+  size_t reserved_bytes();  // without reaping: no tensor dies in it
   bool is_arena_tensor(const at::Tensor& t) const;
 
   // DataPtr deleter path; may run on any thread; never throws.
@@ -115,6 +116,10 @@ class Engine {
   // of its remains. Returns true if it may be deleted now.
   bool retire();
   size_t live_blocks() const { return live_blocks_.load(); }
+  // A call is using the engine (EngineUse): a retired engine is not deleted
+  // under it. leave() deletes it if it was the last reason to live.
+  void enter() { ++active_; }
+  void leave();
 
   // Fork: held across fork() so no engine lock is taken at that moment.
   void lock_for_fork() { mu_.lock(); }
@@ -130,6 +135,8 @@ class Engine {
 
   std::unique_lock<std::mutex> lock();             // mu_, with contention counted
   EventPtr pending_write_of(const at::Tensor& t);  // needs mu_
+  // A dedup hit is served only if the stored copy still holds the source's bytes.
+  bool same_bytes(const at::Tensor& source, const at::Tensor& stored);  // needs mu_
   // takes mu_; staging: a snapshot's transient buffer, whose spill is not a value's
   HostBlock* allocate_host(size_t bytes, bool allow_spill, bool staging = false);
   void free_block(const Block& block);  // needs mu_
@@ -167,6 +174,7 @@ class Engine {
   bool broken_ = false;  // a release found the CUDA context broken
   bool retired_ = false;
   std::atomic<size_t> live_blocks_{0};
+  std::atomic<size_t> active_{0};
   EventPtr trace_origin_;  // non-null while tracing
   std::vector<TraceRow> trace_;
   std::string spill_notice_;
@@ -175,9 +183,25 @@ class Engine {
 
 // The process-wide engine, created on first use with the configured backend.
 Engine& global_engine();
+// The process-wide engine for the length of one call: configure() on another
+// thread retires it but cannot delete it meanwhile.
+class EngineUse {
+ public:
+  EngineUse();
+  ~EngineUse() { engine_->leave(); }
+  EngineUse(const EngineUse&) = delete;
+  EngineUse& operator=(const EngineUse&) = delete;
+  Engine& operator*() const { return *engine_; }
+  Engine* operator->() const { return engine_; }
+
+ private:
+  Engine* engine_;
+};
 void configure_global_engine(const std::string& backend, size_t pinned_limit, size_t min_chunk,
                              size_t max_in_flight, int64_t host_copy_delay_us);
 bool global_engine_created();
+// synchronize() on every engine: the current one and those replaced by configure().
+void synchronize_all();
 // Engines replaced by configure() that still serve tensors, and their reserved bytes.
 std::pair<size_t, size_t> retired_engines();
 // Called by a retired engine's last release: deletes it off the calling thread.

@@ -102,6 +102,11 @@ EventPtr Engine::copy_into(const std::vector<at::Tensor>& dsts, const std::vecto
     // Into offcache's host memory (or from a GPU to the host): D2H, on the
     // source GPU's stream; otherwise H2D, on the destination's.
     const bool into_host = to.is_cpu() && (!from.is_cpu() || dst_block != nullptr);
+    if (from == to) {  // like Tensor.copy_: no partial overlap between source and destination
+      auto end = [](const Rows& r) { return r.ptr + (r.rows - 1) * r.pitch + r.run; };
+      TORCH_CHECK_VALUE(end(*s) <= d->ptr || end(*d) <= s->ptr, "offcache: copy_into pair ", i,
+                        ": the source and the destination overlap in memory");
+    }
     const Dir dir = into_host ? Dir::kStore : Dir::kFetch;
     const c10::Device sdev = into_host ? from : to;
     auto g = std::find_if(groups.begin(), groups.end(),

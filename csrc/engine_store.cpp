@@ -19,6 +19,21 @@ std::vector<at::Tensor> Engine::store(const std::vector<at::Tensor>& values, c10
     check_storable(v);
     backend_->resolve_device(v.device());
   }
+  {
+    // A CPU dedup candidate is compared byte for byte with its stored copy,
+    // which must be written first: wait (unlocked) for copies still writing one.
+    std::vector<EventPtr> writes;
+    {
+      auto l = lock();
+      for (const auto& v : values) {
+        if (!v.device().is_cpu()) continue;
+        if (auto hit = dedup_.find(v, target)) {
+          if (EventPtr e = pending_write_of(*hit)) writes.push_back(std::move(e));
+        }
+      }
+    }
+    for (const auto& e : writes) backend_->sync(e);
+  }
   std::vector<at::Tensor> out(values.size());
   std::vector<size_t> misses;
   std::unordered_map<const c10::TensorImpl*, size_t> first;  // repeats within this call
@@ -28,7 +43,7 @@ std::vector<at::Tensor> Engine::store(const std::vector<at::Tensor>& values, c10
     ++stats_.stores;
     for (size_t i = 0; i < values.size(); ++i) {
       const at::Tensor& v = values[i];
-      if (auto hit = dedup_.find(v, target)) {
+      if (auto hit = dedup_.find(v, target); hit && same_bytes(v, *hit)) {
         out[i] = std::move(*hit);
         ++stats_.dedup_hits;
       } else if (auto it = first.find(v.unsafeGetTensorImpl()); it != first.end()) {
@@ -61,6 +76,17 @@ std::vector<at::Tensor> Engine::store(const std::vector<at::Tensor>& values, c10
   return out;
 }
 
+bool Engine::same_bytes(const at::Tensor& source, const at::Tensor& stored) {
+  if (!source.device().is_cpu()) return true;  // a GPU source cannot be read here
+  // A CPU source is compared with its stored copy, once that copy is written:
+  // writes that bump no version counter are seen too.
+  if (pending_write_of(stored) || source.is_conj() || source.is_neg() || !dense(source) ||
+      stored.nbytes() != source.nbytes()) {
+    return false;
+  }
+  return std::memcmp(source.data_ptr(), stored.data_ptr(), source.nbytes()) == 0;
+}
+
 namespace {
 
 // One value's part in a store: its materialised source and where it goes.
@@ -79,7 +105,8 @@ at::Tensor Engine::staging_buffer(size_t bytes, c10::Device device) {
   // Host snapshots are staged in the arena: pre-faulted pages, reused, instead
   // of fresh pages (a page fault each) from malloc for every store.
   HostBlock* hb = allocate_host(bytes, /*allow_spill=*/true, /*staging=*/true);
-  return at::empty({0}, options).set_(make_host_storage(hb), 0, {static_cast<int64_t>(bytes)}, {1});
+  return at::empty({0}, options)
+      .set_(make_host_storage(hb, 0, bytes), 0, {static_cast<int64_t>(bytes)}, {1});
 }
 
 std::vector<at::Tensor> Engine::store_to_host(const std::vector<at::Tensor>& values,
@@ -145,9 +172,9 @@ std::vector<at::Tensor> Engine::store_to_host(const std::vector<at::Tensor>& val
         for (const Item& it : group) out[it.index] = values[it.index];
         continue;
       }
-      c10::Storage storage = make_host_storage(hb);
       for (const Item& it : group) {
-        out[it.index] = keep_flags(view_of(storage, it.offset, it.dense), values[it.index]);
+        c10::Storage storage = make_host_storage(hb, it.offset, it.dense.nbytes());
+        out[it.index] = keep_flags(view_of(storage, 0, it.dense), values[it.index]);
         (*stored)[it.index] = true;
       }
       throttle(total);  // staging memory is bounded by the in-flight bound

@@ -11,7 +11,7 @@ namespace {
 
 void delete_host_block(void* ctx) {
   auto* block = static_cast<HostBlock*>(ctx);
-  block->engine->release(block);
+  if (block->refs.fetch_sub(1) == 1) block->engine->release(block);
 }
 
 }  // namespace
@@ -24,9 +24,12 @@ void HostBlock::add_fence(const EventPtr& event) {
   fences.push_back(event);
 }
 
-c10::Storage make_host_storage(HostBlock* block) {
-  c10::DataPtr data(block->block.ptr, block, &delete_host_block, c10::Device(c10::kCPU));
-  return c10::Storage(c10::Storage::use_byte_size_t(), block->block.size, std::move(data),
+c10::Storage make_host_storage(HostBlock* block, size_t offset, size_t bytes) {
+  TORCH_INTERNAL_ASSERT(offset + bytes <= block->block.size);
+  ++block->refs;
+  c10::DataPtr data(static_cast<char*>(block->block.ptr) + offset, block, &delete_host_block,
+                    c10::Device(c10::kCPU));
+  return c10::Storage(c10::Storage::use_byte_size_t(), bytes, std::move(data),
                       /*allocator=*/nullptr, /*resizable=*/false);
 }
 

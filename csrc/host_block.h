@@ -1,12 +1,14 @@
-// A host block holding one or more stored tensors. CPU tensors returned by
-// store() are views of a Storage whose DataPtr owns the HostBlock; when the
-// last view dies the block goes back to its engine, which frees it once
-// every copy touching it (its fences) has completed.
+// A host block holding one or more stored tensors. Each stored tensor has a
+// Storage of its own bytes (so saving or copying it carries nothing of its
+// neighbours), whose DataPtr holds a reference to the block; when the last
+// one dies the block goes back to its engine, which frees it once every copy
+// touching it (its fences) has completed.
 #pragma once
 
 #include <ATen/Tensor.h>
 #include <c10/core/Storage.h>
 
+#include <atomic>
 #include <vector>
 
 #include "core/arena.h"
@@ -23,13 +25,15 @@ struct HostBlock {
   Block block;
   EventPtr stored;               // the last copy that wrote the block
   std::vector<EventPtr> fences;  // copies still touching it, one entry per event
+  std::atomic<size_t> refs{0};   // storages viewing the block
   bool pinned() const { return block.chunk != kPageableChunk; }
   // Adds `event` once, dropping fences that have completed.
   void add_fence(const EventPtr& event);
 };
 
-// The storage whose DataPtr owns `block`; freeing it releases the block.
-c10::Storage make_host_storage(HostBlock* block);
+// A storage of `bytes` bytes at `offset` in `block`, holding a reference to
+// it; the block is released when its last storage dies.
+c10::Storage make_host_storage(HostBlock* block, size_t offset, size_t bytes);
 // The HostBlock behind a CPU tensor, or nullptr if offcache did not make it.
 HostBlock* host_block_of(const at::Tensor& t);
 

@@ -114,9 +114,9 @@ class IntermediatesCache:
                 raise KeyError(f"batch {batch_index} holds no value named {name!r}") from None
 
     def append(self, values: dict[str, Any]) -> None:
-        """Store `values` as a new batch at the end."""
-        self.batch_intermediates.append({})
-        self.update(len(self.batch_intermediates) - 1, values)
+        """Store `values` as a new batch at the end (nothing changes if a value is refused)."""
+        batch = self._offload_many(values, None, len(self.batch_intermediates))
+        self.batch_intermediates.append(batch)
 
     def size(self) -> dict[torch.device, int]:
         """Bytes held per device, counted as llm-compressor 0.14.0.1 counts them.

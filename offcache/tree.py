@@ -119,6 +119,7 @@ class WrapperSubclass:
     ctx: Any
     size: torch.Size
     stride: tuple[int, ...]
+    nbytes: int = 0  # the wrapper's own nbytes: what llm-compressor's size() counts
 
     def build(self, items: list) -> Tensor:
         return self.cls.__tensor_unflatten__(dict(zip(self.inner, items)), self.ctx, self.size, self.stride)
@@ -305,7 +306,7 @@ def _plan_subclass(t: Tensor, onload, leaves: list, where: str) -> WrapperSubcla
         _check_kind(t, where)  # its inner tensors get every check
         names, ctx = t.__tensor_flatten__()
         inner = {name: plan(getattr(t, name), onload, leaves, f"{where} ({cls.__name__}.{name})") for name in names}
-        return WrapperSubclass(cls, inner, ctx, t.size(), t.stride())
+        return WrapperSubclass(cls, inner, ctx, t.size(), t.stride(), t.nbytes)
     if getattr(cls, "__torch_dispatch__", _NO_DISPATCH) is not _NO_DISPATCH:
         raise TypeError(
             f"{where}: cannot cache a tensor of subclass {cls.__module__}.{cls.__qualname__}: it overrides "
@@ -372,11 +373,19 @@ def count_bytes(value: Any, sizes: dict, memo: set) -> None:
     Tensors by nbytes on their device, once each (`memo` holds the ids seen);
     other leaves by ``sys.getsizeof(value, 0)`` on the CPU. llm-compressor
     stores a torch.Size as a tuple of ints and a ModelOutput as a dict of the
-    fields that are set, and counts them so. A tensor subclass counts the
-    tensors it is stored as.
+    fields that are set, and counts them so. A wrapper subclass counts its own
+    nbytes, as the tensor llm-compressor keeps would, on its inner tensors' device.
     """
     while isinstance(value, IntermediateValue):
         value = value._value
+    if isinstance(value, WrapperSubclass):
+        if id(value) not in memo:
+            memo.add(id(value))
+            inner = value.inner[next(iter(value.inner))]
+            while isinstance(inner, IntermediateValue):
+                inner = inner._value
+            sizes[inner.device if isinstance(inner, Tensor) else _CPU] += value.nbytes
+        return
     if isinstance(value, Tensor):
         if id(value) not in memo:
             memo.add(id(value))

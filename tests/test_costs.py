@@ -46,7 +46,10 @@ def test_store_packs_in_pieces_of_at_most_16_mib(host_engine):
     with Delta() as d:
         stored = _engine.store(xs, CPU)
     assert 2 <= d["copy_calls"] <= 3
-    assert len({t.untyped_storage().data_ptr() for t in stored}) == d["copy_calls"]
+    # Each piece is one block: values of one piece lie within 16 MiB of each other.
+    ptrs = sorted(t.data_ptr() for t in stored)
+    gaps = sum(1 for a, b in zip(ptrs, ptrs[1:]) if b - a != xs[0].nbytes)  # packed back to back
+    assert gaps <= d["copy_calls"] - 1
 
 
 @pytest.mark.parametrize("n", [2, 100, 1000])

@@ -63,10 +63,12 @@ def test_small_values_share_one_block_and_one_fetch_copy(host_engine):
     xs = [torch.full((64,), float(i)) for i in range(100)]
     before = offcache.stats()
     stored = _engine.store(xs, CPU)
-    ptrs = {t.untyped_storage().data_ptr() for t in stored}
-    assert len(ptrs) == 1  # one packed block
+    ptrs = [t.data_ptr() for t in stored]
+    assert all(b - a == 256 for a, b in zip(ptrs, ptrs[1:]))  # one packed block, 64-byte aligned
+    assert all(t.untyped_storage().nbytes() == 256 for t in stored)  # each its own bytes only
     back, _ = _engine.fetch(stored, CPU, True)
     after = offcache.stats()
+    assert after["d2h_copies"] - before["d2h_copies"] == 1
     assert after["h2d_copies"] - before["h2d_copies"] == 1
     assert all(torch.equal(b, x) for b, x in zip(back, xs))
 
