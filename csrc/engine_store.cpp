@@ -136,6 +136,14 @@ std::vector<at::Tensor> Engine::store_to_host(const std::vector<at::Tensor>& val
         continue;
       }
       c10::Storage storage = make_host_storage(hb);
+      // A disk block: the copy fills an aligned bounce buffer, which the I/O
+      // thread then writes to the block's file.
+      char* dst_base = static_cast<char*>(hb->block.ptr);
+      Block bounce;
+      if (hb->disk()) {
+        auto l = lock();
+        bounce = allocate_bounce_locked(align_up(total, kDiskAlign), &dst_base);
+      }
       for (const Item& it : group) {
         out[it.index] = keep_flags(view_of(storage, it.offset, it.dense), values[it.index]);
         (*stored)[it.index] = true;
@@ -172,11 +180,10 @@ std::vector<at::Tensor> Engine::store_to_host(const std::vector<at::Tensor>& val
       }
       if (keepalive.size() == 1 && !direct) {
         const at::Tensor& k = keepalive[0];
-        ops.push_back(CopyOp{hb->block.ptr, k.data_ptr(), k.nbytes()});
+        ops.push_back(CopyOp{dst_base, k.data_ptr(), k.nbytes()});
       } else {
         for (const Item& it : group) {
-          ops.push_back(CopyOp{static_cast<char*>(hb->block.ptr) + it.offset, it.dense.data_ptr(),
-                               it.dense.nbytes()});
+          ops.push_back(CopyOp{dst_base + it.offset, it.dense.data_ptr(), it.dense.nbytes()});
         }
       }
       // Producer stream -> event -> D2H copy stream.
@@ -186,6 +193,7 @@ std::vector<at::Tensor> Engine::store_to_host(const std::vector<at::Tensor>& val
       // Without a snapshot, later work on the producer stream may not touch the
       // sources before the copy has read them.
       if (direct) backend_->current_wait(device, done);
+      if (hb->disk()) done = write_to_disk(hb, bounce, dst_base, total, done);
       auto l = lock();
       hb->stored = done;
       hb->add_fence(done);
