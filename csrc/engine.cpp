@@ -35,6 +35,7 @@ Engine::~Engine() {
   } catch (const std::exception& e) {
     std::fprintf(stderr, "offcache: retiring an engine: %s\n", e.what());
   }
+  for (const Block& b : bounce_pool_) pageable_.release(b.ptr, b.size);
 }
 
 std::unique_lock<std::mutex> Engine::lock() {
@@ -55,6 +56,13 @@ void Engine::free_block(const Block& block) {
   if (block.chunk == kPageableChunk) {
     pageable_.release(block.ptr, block.size);
     stats_.pageable_bytes -= block.size;
+  } else if (block.chunk == kBounceChunk) {
+    if (bounce_pool_bytes_ + block.size <= kBouncePoolBytes) {
+      bounce_pool_.push_back(block);
+      bounce_pool_bytes_ += block.size;
+    } else {
+      pageable_.release(block.ptr, block.size);
+    }
   } else if (on_disk(block)) {
     Block b = block;
     b.chunk &= ~kDiskChunkBit;

@@ -200,6 +200,9 @@ class Engine {
   std::unique_ptr<DiskSource> disk_;
   std::unique_ptr<Arena> disk_arena_;
   bool disk_warned_ = false;
+  // Pageable disk I/O buffers kept for reuse, up to kBouncePoolBytes (few: a linear search).
+  std::vector<Block> bounce_pool_;
+  size_t bounce_pool_bytes_ = 0;
   std::atomic<size_t> disk_write_bytes_{0}, disk_read_bytes_{0};
   std::atomic<int64_t> disk_write_ns_{0}, disk_read_ns_{0};
   std::atomic<size_t> disk_fallbacks_{0};  // pread/pwrite failed: copied through the mapping

@@ -42,19 +42,32 @@ std::optional<Block> Engine::allocate_disk_locked(size_t bytes) {
 }
 
 Block Engine::allocate_bounce_locked(size_t bytes, char** aligned) {
-  // Arena memory when the budget allows (pre-faulted, pinned on CUDA), else pageable.
   std::string why;
-  if (auto b = arena_.allocate(bytes + kDiskAlign, &why)) {
-    *aligned = reinterpret_cast<char*>(align_up(reinterpret_cast<uintptr_t>(b->ptr), kDiskAlign));
-    return *b;
+  if (backend_->chunks().pinned()) {
+    // CUDA: pinned arena memory when the budget allows, so the device copy is asynchronous.
+    if (auto b = arena_.allocate(bytes + kDiskAlign, &why)) {
+      *aligned = reinterpret_cast<char*>(align_up(reinterpret_cast<uintptr_t>(b->ptr), kDiskAlign));
+      return *b;
+    }
   }
-  const size_t size = align_up(std::max<size_t>(bytes, 1), 4096);
+  // A pooled page-aligned buffer (the smallest that fits), else a new one.
+  const size_t size = align_up(std::max<size_t>(bytes, 1), kDiskAlign);
+  auto best = bounce_pool_.end();
+  for (auto it = bounce_pool_.begin(); it != bounce_pool_.end(); ++it) {
+    if (it->size >= size && (best == bounce_pool_.end() || it->size < best->size)) best = it;
+  }
+  if (best != bounce_pool_.end()) {
+    Block b = *best;
+    bounce_pool_.erase(best);
+    bounce_pool_bytes_ -= b.size;
+    *aligned = static_cast<char*>(b.ptr);
+    return b;
+  }
   void* p = pageable_.allocate(size, &why);
   TORCH_CHECK(p != nullptr, "offcache: out of host memory for a ", bytes,
               "-byte disk buffer: ", why);
-  stats_.pageable_bytes += size;
   *aligned = static_cast<char*>(p);
-  return Block{p, size, kPageableChunk, 0};
+  return Block{p, size, kBounceChunk, 0};
 }
 
 EventPtr Engine::write_to_disk(HostBlock* hb, const Block& bounce, const char* data, size_t bytes,

@@ -149,6 +149,26 @@ std::vector<at::Tensor> Engine::store_to_host(const std::vector<at::Tensor>& val
         (*stored)[it.index] = true;
       }
       throttle(total);  // staging memory is bounded by the in-flight bound
+      if (hb->disk() && device.is_cpu()) {
+        // From the CPU to disk: the copy into the bounce buffer, made now by
+        // this thread, is the snapshot; the I/O thread writes it out.
+        std::vector<at::Tensor> dst, src;
+        for (const Item& it : group) {
+          dst.push_back(
+              at::for_blob(dst_base + it.offset, {static_cast<int64_t>(it.dense.nbytes())})
+                  .options(at::TensorOptions().dtype(at::kByte))
+                  .make_tensor());
+          src.push_back(bytes_of(it.dense));
+        }
+        at::_foreach_copy_(dst, src);
+        EventPtr written = write_to_disk(hb, bounce, dst_base, total, nullptr);
+        auto l = lock();
+        stats_.d2h_bytes += total;
+        stats_.d2h_copies += group.size();
+        hb->stored = written;
+        hb->add_fence(written);
+        continue;
+      }
       // Snapshot: the group's bytes, laid out like the block, copied now in the
       // producer's stream order (on the CPU, by this thread). A value that is a
       // private copy already (resolved or made dense) needs none when alone.
