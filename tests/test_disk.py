@@ -248,3 +248,16 @@ def test_llmcompressor_oneshot_bit_identical_through_disk(engine_config, disk_di
     for k in reference:
         assert torch.equal(reference[k], ours[k]), f"{k} differs"
     assert os.listdir(disk_dir) == []
+
+
+def test_bench_disk_tiny(tmp_path, monkeypatch):
+    from offcache.bench.__main__ import main
+    from offcache.bench.common import load_results
+
+    monkeypatch.setenv("OFFCACHE_BENCH_DISK_DIR", str(tmp_path))
+    assert main(["disk", "--tiny", "--out", str(tmp_path / "out")]) == 0
+    r = load_results(tmp_path / "out" / "results.json")["disk"]
+    assert {x["direction"] for x in r["throughput"]} == {"store", "fetch"}
+    assert all(x["offcache_gbps"] > 0 and x["raw_gbps"] > 0 for x in r["throughput"])
+    assert {"iter", "iter_prefetch", "in_memory", "hidden_fraction"} <= set(r["pipeline"])
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # bench folders removed

@@ -133,22 +133,29 @@ def run_disk_pipeline(ctx: Context) -> dict:
     folder = _folder()
     out: dict = {"shape": vars(shape)}
     try:
-        offcache.configure(disk_dir=folder, host_limit="1MiB")
-        for prefetch in (False, True):
-            before = offcache.stats()
-            row = run_one(ctx, shape, offcache.IntermediatesCache, "cpu", prefetch)
-            after = offcache.stats()
-            row["disk_read_s"] = after["disk_read_seconds"] - before["disk_read_seconds"]
-            row["disk_read_bytes"] = after["disk_read_bytes"] - before["disk_read_bytes"]
-            row["disk_write_bytes"] = after["disk_write_bytes"] - before["disk_write_bytes"]
-            out["iter_prefetch" if prefetch else "iter"] = row
-        offcache.configure()
-        out["in_memory"] = run_one(ctx, shape, offcache.IntermediatesCache, "cpu", False)
-        out["compute_only"] = run_one(ctx, shape, offcache.IntermediatesCache, None, False)
+        limit = 0 if ctx.tiny else "1MiB"  # the tiny shape's data would fit in 1 MiB
+        repeats = 1 if ctx.tiny else 3
+        runs: dict[str, list[dict]] = {"iter": [], "iter_prefetch": [], "in_memory": [], "compute_only": []}
+        offcache.configure(disk_dir=folder, host_limit=limit)
+        run_one(ctx, shape, offcache.IntermediatesCache, "cpu", False)  # untimed: files and buffers made
+        for _ in range(repeats):  # interleaved, so drift hits all alike
+            offcache.configure(disk_dir=folder, host_limit=limit)
+            for prefetch in (False, True):
+                before = offcache.stats()
+                row = run_one(ctx, shape, offcache.IntermediatesCache, "cpu", prefetch)
+                after = offcache.stats()
+                for key in ("read_seconds", "read_bytes", "write_bytes"):
+                    row[f"disk_{key}"] = after[f"disk_{key}"] - before[f"disk_{key}"]
+                runs["iter_prefetch" if prefetch else "iter"].append(row)
+            offcache.configure()
+            runs["in_memory"].append(run_one(ctx, shape, offcache.IntermediatesCache, "cpu", False))
+            runs["compute_only"].append(run_one(ctx, shape, offcache.IntermediatesCache, None, False))
+        for name, rows in runs.items():  # the run of median wall time
+            out[name] = sorted(rows, key=lambda r: r["wall_s"])[len(rows) // 2]
     finally:
         offcache.configure()
         os.rmdir(folder)
-    read = out["iter"]["disk_read_s"]
+    read = out["iter"]["disk_read_seconds"]
     hidden = out["iter"]["wall_s"] - out["iter_prefetch"]["wall_s"]
     bound = min(read, out["compute_only"]["wall_s"])
     out.update(hidden_read_s=hidden, hide_bound_s=bound, hidden_fraction=hidden / bound if bound > 0 else 0.0)
@@ -168,9 +175,9 @@ def summary_lines(r: dict) -> list[str]:
         )
     p = r["pipeline"]
     lines.append(
-        f"  pipeline (host limit 1 MiB): iter {p['iter']['wall_s']:.2f}s, iter_prefetch "
+        f"  pipeline (disk tier forced): iter {p['iter']['wall_s']:.2f}s, iter_prefetch "
         f"{p['iter_prefetch']['wall_s']:.2f}s, in memory {p['in_memory']['wall_s']:.2f}s; prefetch hides "
-        f"{p['hidden_read_s']:.2f}s of {p['iter']['disk_read_s']:.2f}s read (bound {p['hide_bound_s']:.2f}s, "
+        f"{p['hidden_read_s']:.2f}s of {p['iter']['disk_read_seconds']:.2f}s read (bound {p['hide_bound_s']:.2f}s, "
         f"{100 * p['hidden_fraction']:.0f}%)"
     )
     return lines
