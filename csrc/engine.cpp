@@ -357,6 +357,11 @@ std::vector<Engine::TraceRow> Engine::trace_stop() {
 size_t Engine::empty_cache() {
   synchronize();
   auto l = lock();
+  // The disk tier's empty files and pooled I/O buffers go too (not counted: not pinned).
+  if (disk_arena_) disk_arena_->release_empty_chunks();
+  for (const Block& b : bounce_pool_) pageable_.release(b.ptr, b.size);
+  bounce_pool_.clear();
+  bounce_pool_bytes_ = 0;
   return arena_.release_empty_chunks();
 }
 

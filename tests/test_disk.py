@@ -68,6 +68,10 @@ def test_values_round_trip_through_disk(all_on_disk):
     assert s["disk_write_bytes"] >= sum(t.nbytes for t in src)
     assert s["disk_read_bytes"] >= sum(t.nbytes for t in src)
     assert s["disk_write_seconds"] > 0 and s["disk_read_seconds"] > 0
+    del stored, got
+    offcache.empty_cache()  # gives the disk tier's empty files back too
+    s = offcache.stats()
+    assert s["disk_bytes"] == 0 and s["disk_files"] == 0 and s["peak_disk_bytes"] > 0
 
 
 def test_disk_tensors_pickle_and_deepcopy(all_on_disk):

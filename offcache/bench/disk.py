@@ -15,6 +15,7 @@ import mmap
 import os
 import tempfile
 import time
+import warnings
 
 import torch
 
@@ -132,6 +133,17 @@ def run_disk_pipeline(ctx: Context) -> dict:
         shape = Shape(shape.batches, 2, 2048, 256, 1)
     folder = _folder()
     out: dict = {"shape": vars(shape)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", offcache.SpillWarning)  # the disk tier is used on purpose
+        _pipeline_runs(ctx, shape, folder, out)
+    read = out["iter"]["disk_read_seconds"]
+    hidden = out["iter"]["wall_s"] - out["iter_prefetch"]["wall_s"]
+    bound = min(read, out["compute_only"]["wall_s"])
+    out.update(hidden_read_s=hidden, hide_bound_s=bound, hidden_fraction=hidden / bound if bound > 0 else 0.0)
+    return out
+
+
+def _pipeline_runs(ctx: Context, shape: Shape, folder: str, out: dict) -> None:
     try:
         limit = 0 if ctx.tiny else "1MiB"  # the tiny shape's data would fit in 1 MiB
         repeats = 1 if ctx.tiny else 3
@@ -155,11 +167,6 @@ def run_disk_pipeline(ctx: Context) -> dict:
     finally:
         offcache.configure()
         os.rmdir(folder)
-    read = out["iter"]["disk_read_seconds"]
-    hidden = out["iter"]["wall_s"] - out["iter_prefetch"]["wall_s"]
-    bound = min(read, out["compute_only"]["wall_s"])
-    out.update(hidden_read_s=hidden, hide_bound_s=bound, hidden_fraction=hidden / bound if bound > 0 else 0.0)
-    return out
 
 
 def run_disk(ctx: Context) -> dict:
