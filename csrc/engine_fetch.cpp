@@ -160,7 +160,8 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
       std::vector<CopyOp> piecewise;
       for (size_t k = 0; k < segments.size(); ++k) {
         const Segment& seg = segments[k];
-        if (seg.block == nullptr || !seg.block->disk()) {
+        // Another engine's disk block (configure() since) is read through its mapping.
+        if (seg.block == nullptr || !seg.block->disk() || seg.block->engine != this) {
           piecewise.push_back(ops[k]);
           gates.push_back(nullptr);
           continue;

@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <utility>
 
 #include "engine.h"
 #include "engine_detail.h"
@@ -136,19 +137,29 @@ std::vector<at::Tensor> Engine::store_to_host(const std::vector<at::Tensor>& val
         continue;
       }
       c10::Storage storage = make_host_storage(hb);
+      for (const Item& it : group) {
+        out[it.index] = keep_flags(view_of(storage, it.offset, it.dense), values[it.index]);
+        (*stored)[it.index] = true;
+      }
+      throttle(total);  // staging memory is bounded by the in-flight bound
       // A disk block: the copy fills an aligned bounce buffer, which the I/O
-      // thread then writes to the block's file.
+      // thread then writes to the block's file. Until that write is queued the
+      // buffer is this call's to free (a failed copy was waited for by issue()).
       char* dst_base = static_cast<char*>(hb->block.ptr);
       Block bounce;
       if (hb->disk()) {
         auto l = lock();
         bounce = allocate_bounce_locked(align_up(total, kDiskAlign), &dst_base);
       }
-      for (const Item& it : group) {
-        out[it.index] = keep_flags(view_of(storage, it.offset, it.dense), values[it.index]);
-        (*stored)[it.index] = true;
-      }
-      throttle(total);  // staging memory is bounded by the in-flight bound
+      struct BounceGuard {
+        Engine* engine;
+        Block* bounce;
+        ~BounceGuard() {
+          if (bounce->ptr == nullptr) return;
+          auto l = engine->lock();
+          engine->free_block(*bounce);
+        }
+      } guard{this, &bounce};
       if (hb->disk() && device.is_cpu()) {
         // From the CPU to disk: the copy into the bounce buffer, made now by
         // this thread, is the snapshot; the I/O thread writes it out.
@@ -161,7 +172,8 @@ std::vector<at::Tensor> Engine::store_to_host(const std::vector<at::Tensor>& val
           src.push_back(bytes_of(it.dense));
         }
         at::_foreach_copy_(dst, src);
-        EventPtr written = write_to_disk(hb, bounce, dst_base, total, nullptr);
+        EventPtr written =
+            write_to_disk(hb, std::exchange(bounce, Block{}), dst_base, total, nullptr);
         auto l = lock();
         stats_.d2h_bytes += total;
         stats_.d2h_copies += group.size();
@@ -213,7 +225,8 @@ std::vector<at::Tensor> Engine::store_to_host(const std::vector<at::Tensor>& val
       // Without a snapshot, later work on the producer stream may not touch the
       // sources before the copy has read them.
       if (direct) backend_->current_wait(device, done);
-      if (hb->disk()) done = write_to_disk(hb, bounce, dst_base, total, done);
+      if (hb->disk())
+        done = write_to_disk(hb, std::exchange(bounce, Block{}), dst_base, total, done);
       auto l = lock();
       hb->stored = done;
       hb->add_fence(done);

@@ -265,3 +265,25 @@ def test_bench_disk_tiny(tmp_path, monkeypatch):
     assert all(x["offcache_gbps"] > 0 and x["raw_gbps"] > 0 for x in r["throughput"])
     assert {"iter", "iter_prefetch", "in_memory", "hidden_fraction"} <= set(r["pipeline"])
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # bench folders removed
+
+
+def test_default_host_limit_is_shared_among_local_ranks(engine_config, disk_dir, monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.delenv("OFFCACHE_HOST_LIMIT", raising=False)
+    engine_config(backend="host", disk_dir=disk_dir)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert offcache.stats()["host_limit_bytes"] == int(ram * 0.75) // 4
+
+
+def test_values_of_a_replaced_engine_still_fetch(engine_config, disk_dir, tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    engine_config(backend="host", host_limit=0, disk_dir=disk_dir)
+    src = values(3)
+    stored = _engine.store(src, CPU)
+    engine_config(backend="host", host_limit=0, disk_dir=other)  # a new engine with its own files
+    got, _ = _engine.fetch(stored, CPU)
+    assert all(torch.equal(a, b) for a, b in zip(src, got))
+    engine_config(backend="host")  # and one with no disk tier
+    got, _ = _engine.fetch(stored, CPU)
+    assert all(torch.equal(a, b) for a, b in zip(src, got))
