@@ -114,12 +114,11 @@ HostBlock* Engine::allocate_host(size_t bytes, bool allow_spill) {
   if (disk_ && allow_spill) {
     // Placement: first come stays in memory. Past the host limit, new values
     // go to disk; nothing moves between tiers later.
-    auto l = lock();
-    reclaim_locked();
-    if (arena_.in_use_bytes() + stats_.pageable_bytes + bytes > disk_options_.host_limit) {
+    if (std::optional<Block> b = allocate_disk(bytes)) {
       auto hb = std::make_unique<HostBlock>();
       hb->engine = this;
-      hb->block = *allocate_disk_locked(bytes);
+      hb->block = *b;
+      auto l = lock();
       ++live_blocks_;
       note_peaks_locked();
       return hb.release();

@@ -147,9 +147,10 @@ class Engine {
   std::unique_lock<std::mutex> lock();                       // mu_, with contention counted
   EventPtr pending_write_of(const at::Tensor& t);            // needs mu_
   HostBlock* allocate_host(size_t bytes, bool allow_spill);  // takes mu_
-  // Host memory past the host limit goes to disk: a block of the disk arena
-  // (needs mu_; raises, naming the folder and bytes, when the disk is full).
-  std::optional<Block> allocate_disk_locked(size_t bytes);
+  // Past the host limit, a block of the disk arena, else nullopt (takes mu_;
+  // new files are made without it; raises, naming the folder and bytes, when
+  // the disk is full).
+  std::optional<Block> allocate_disk(size_t bytes);
   // Temporary memory for disk I/O, kDiskAlign-aligned at `*aligned` (needs mu_).
   Block allocate_bounce_locked(size_t bytes, char** aligned);
   // Queues the write of a disk block's bytes, staged in `bounce`, after `after`;

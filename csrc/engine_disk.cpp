@@ -22,23 +22,47 @@ int64_t ns_since(std::chrono::steady_clock::time_point t0) {
 
 }  // namespace
 
-std::optional<Block> Engine::allocate_disk_locked(size_t bytes) {
-  std::string why;
-  std::optional<Block> block = disk_arena_->allocate(bytes, &why);
-  TORCH_CHECK(block.has_value(), "offcache: the disk tier cannot take ", bytes,
-              " more bytes (folder ", disk_->dir(), ", ", disk_arena_->in_use_bytes(),
-              " bytes on disk already): ", why,
-              ". Values stored earlier are intact; free disk space, choose another "
-              "OFFCACHE_DISK_DIR or raise OFFCACHE_HOST_LIMIT");
-  block->chunk |= kDiskChunkBit;
-  if (!disk_warned_) {
-    disk_warned_ = true;
-    spill_notice_ = "offcache: host memory reached the host limit (" +
-                    std::to_string(disk_options_.host_limit) +
-                    " bytes); values now go to disk in " + disk_->dir() +
-                    ", fetches read them back";
+std::optional<Block> Engine::allocate_disk(size_t bytes) {
+  // Placement: first come stays in memory. Past the host limit, new values go
+  // to disk; nothing moves between tiers later.
+  std::optional<Block> block;
+  for (;;) {
+    size_t chunk = 0;
+    std::string why;
+    {
+      auto l = lock();
+      reclaim_locked();
+      if (arena_.in_use_bytes() + stats_.pageable_bytes + bytes <= disk_options_.host_limit) {
+        return std::nullopt;
+      }
+      block = disk_arena_->allocate_existing(bytes);
+      if (block) {
+        block->chunk |= kDiskChunkBit;
+        if (!disk_warned_) {
+          disk_warned_ = true;
+          spill_notice_ = "offcache: host memory reached the host limit (" +
+                          std::to_string(disk_options_.host_limit) +
+                          " bytes); values now go to disk in " + disk_->dir() +
+                          ", fetches read them back";
+        }
+        return block;
+      }
+      chunk = disk_arena_->begin_chunk(bytes, &why);
+    }
+    // A new file (create, reserve, map) without the lock.
+    void* base = chunk ? disk_->allocate(chunk, &why) : nullptr;
+    size_t in_use;
+    {
+      auto l = lock();
+      if (chunk) disk_arena_->finish_chunk(base, chunk);
+      in_use = disk_arena_->in_use_bytes();
+    }
+    TORCH_CHECK(base != nullptr, "offcache: the disk tier cannot take ", bytes,
+                " more bytes (folder ", disk_->dir(), ", ", in_use,
+                " bytes on disk already): ", why,
+                ". Values stored earlier are intact; free disk space, choose another "
+                "OFFCACHE_DISK_DIR or raise OFFCACHE_HOST_LIMIT");
   }
-  return block;
 }
 
 Block Engine::allocate_bounce_locked(size_t bytes, char** aligned) {
