@@ -23,7 +23,6 @@ Engine::Engine(std::unique_ptr<Backend> backend, ArenaOptions arena, size_t max_
     options.min_chunk = kDiskMinChunk;
     options.alignment = kDiskAlign;
     disk_arena_ = std::make_unique<Arena>(*disk_, options);
-    io_ = std::make_unique<HostStream>();
   }
 }
 

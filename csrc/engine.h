@@ -208,7 +208,8 @@ class Engine {
   std::atomic<int64_t> disk_write_ns_{0}, disk_read_ns_{0};
   std::atomic<size_t> disk_fallbacks_{0};  // pread/pwrite failed: copied through the mapping
   std::atomic<size_t> lock_waits_over_1ms_{0};
-  // The I/O thread: never holds mu_ or the GIL while waiting. Last: stopped first.
+  // The I/O thread: never holds mu_ or the GIL while waiting; made with the
+  // first disk block. Last: stopped first.
   std::unique_ptr<HostStream> io_;
 };
 

@@ -29,11 +29,20 @@ std::optional<Block> Engine::allocate_disk(size_t bytes) {
   for (;;) {
     size_t chunk = 0;
     std::string why;
+    std::unique_ptr<HostStream> io;
     {
       auto l = lock();
       reclaim_locked();
       if (arena_.in_use_bytes() + stats_.pageable_bytes + bytes <= disk_options_.host_limit) {
         return std::nullopt;
+      }
+      if (!io_) {
+        // The I/O thread starts with the first disk block, made unlocked (a
+        // stream registers for fork handling, which takes its lock before ours).
+        l.unlock();
+        io = std::make_unique<HostStream>();
+        l.lock();
+        if (!io_) io_ = std::move(io);  // set once; later uses follow a lock() that saw it
       }
       block = disk_arena_->allocate_existing(bytes);
       if (block) {
