@@ -46,6 +46,7 @@ from torch.utils.cpp_extension import (  # noqa: E402  (reads CUDA_HOME at impor
 CORE = [
     "csrc/core/arena.cpp",
     "csrc/core/deferred_free.cpp",
+    "csrc/core/disk_file.cpp",
     "csrc/core/event.cpp",
     "csrc/core/host_stream.cpp",
     "csrc/core/page_source.cpp",
@@ -56,6 +57,7 @@ ENGINE = [
     "csrc/dedup.cpp",
     "csrc/engine.cpp",
     "csrc/engine_copy.cpp",
+    "csrc/engine_disk.cpp",
     "csrc/engine_fetch.cpp",
     "csrc/engine_store.cpp",
     "csrc/host_block.cpp",

@@ -37,6 +37,7 @@ struct Config {
   size_t min_chunk = 0;
   size_t max_in_flight = 0;
   int64_t host_copy_delay_us = 0;
+  DiskOptions disk;
 };
 
 std::unique_ptr<Backend> choose(const Config& c) {
@@ -80,7 +81,7 @@ Engine& global_engine_locked() {
     ArenaOptions arena;
     arena.min_chunk = g_config.min_chunk;
     arena.limit = g_config.pinned_limit;
-    g_engine = new Engine(choose(g_config), arena, g_config.max_in_flight);
+    g_engine = new Engine(choose(g_config), arena, g_config.max_in_flight, g_config.disk);
   }
   return *g_engine;
 }
@@ -104,7 +105,8 @@ bool global_engine_created() {
 }
 
 void configure_global_engine(const std::string& backend, size_t pinned_limit, size_t min_chunk,
-                             size_t max_in_flight, int64_t host_copy_delay_us) {
+                             size_t max_in_flight, int64_t host_copy_delay_us,
+                             const std::string& disk_dir, size_t host_limit) {
   Choice choice;
   if (backend == "auto") {
     choice = Choice::kAuto;
@@ -132,7 +134,8 @@ void configure_global_engine(const std::string& backend, size_t pinned_limit, si
   Engine* old = nullptr;
   {
     std::lock_guard<std::mutex> lock(g_mu);
-    g_config = Config{choice, pinned_limit, min_chunk, max_in_flight, host_copy_delay_us};
+    g_config = Config{choice,        pinned_limit,       min_chunk,
+                      max_in_flight, host_copy_delay_us, DiskOptions{disk_dir, host_limit}};
     g_configured = true;
     old = std::exchange(g_engine, nullptr);  // the next use builds a new one, lazily
   }

@@ -71,6 +71,16 @@ py::dict stats_dict() {
   OFFCACHE_FIELD(host_callbacks);
   OFFCACHE_FIELD(pinned_registrations);
   OFFCACHE_FIELD(syncs);
+  OFFCACHE_FIELD(host_limit_bytes);
+  OFFCACHE_FIELD(disk_bytes);
+  OFFCACHE_FIELD(disk_reserved_bytes);
+  OFFCACHE_FIELD(peak_disk_bytes);
+  OFFCACHE_FIELD(disk_files);
+  OFFCACHE_FIELD(disk_write_bytes);
+  OFFCACHE_FIELD(disk_read_bytes);
+  OFFCACHE_FIELD(disk_write_seconds);
+  OFFCACHE_FIELD(disk_read_seconds);
+  OFFCACHE_FIELD(disk_fallbacks);
 #undef OFFCACHE_FIELD
   d["pinned"] = offcache::EngineUse()->arena_pinned();
   auto [retired, retired_bytes] = offcache::retired_engines();
@@ -169,10 +179,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         [](const at::Tensor& t) { return offcache::EngineUse()->is_arena_tensor(t); });
   m.def("is_offcache_tensor",
         [](const at::Tensor& t) { return offcache::host_block_of(t) != nullptr; });
+  m.def("is_disk_tensor", [](const at::Tensor& t) {
+    const offcache::HostBlock* hb = offcache::host_block_of(t);
+    return hb != nullptr && hb->disk();
+  });
   m.def("engine_created", &offcache::global_engine_created);
   m.def("configure", &offcache::configure_global_engine, py::arg("backend"),
         py::arg("pinned_limit"), py::arg("min_chunk"), py::arg("max_in_flight"),
-        py::arg("host_copy_delay_us"), py::call_guard<py::gil_scoped_release>(),
+        py::arg("host_copy_delay_us"), py::arg("disk_dir") = "", py::arg("host_limit") = SIZE_MAX,
+        py::call_guard<py::gil_scoped_release>(),
         "Replace the process-wide engine (earlier stored tensors keep working).");
   m.attr("cuda_compiled") = offcache::cuda_compiled();
   m.attr("torch_version") = OFFCACHE_TORCH_VERSION;

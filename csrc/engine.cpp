@@ -11,10 +11,20 @@ namespace offcache {
 
 using namespace detail;  // NOLINT(build/namespaces): the engine's own helpers
 
-Engine::Engine(std::unique_ptr<Backend> backend, ArenaOptions arena, size_t max_in_flight)
+Engine::Engine(std::unique_ptr<Backend> backend, ArenaOptions arena, size_t max_in_flight,
+               DiskOptions disk)
     : backend_(std::move(backend)),
       arena_(backend_->chunks(), arena),
-      max_in_flight_(max_in_flight) {}
+      max_in_flight_(max_in_flight),
+      disk_options_(std::move(disk)) {
+  if (!disk_options_.dir.empty()) {
+    disk_ = std::make_unique<DiskSource>(disk_options_.dir);
+    ArenaOptions options;
+    options.min_chunk = kDiskMinChunk;
+    options.alignment = kDiskAlign;
+    disk_arena_ = std::make_unique<Arena>(*disk_, options);
+  }
+}
 
 Engine::~Engine() {
   // Only a retired engine with no live block is deleted: wait for its copies,
@@ -24,6 +34,7 @@ Engine::~Engine() {
   } catch (const std::exception& e) {
     std::fprintf(stderr, "offcache: retiring an engine: %s\n", e.what());
   }
+  for (const Block& b : bounce_pool_) pageable_.release(b.ptr, b.size);
 }
 
 std::unique_lock<std::mutex> Engine::lock() {
@@ -44,6 +55,17 @@ void Engine::free_block(const Block& block) {
   if (block.chunk == kPageableChunk) {
     pageable_.release(block.ptr, block.size);
     stats_.pageable_bytes -= block.size;
+  } else if (block.chunk == kBounceChunk) {
+    if (bounce_pool_bytes_ + block.size <= kBouncePoolBytes) {
+      bounce_pool_.push_back(block);
+      bounce_pool_bytes_ += block.size;
+    } else {
+      pageable_.release(block.ptr, block.size);
+    }
+  } else if (on_disk(block)) {
+    Block b = block;
+    b.chunk &= ~kDiskChunkBit;
+    disk_arena_->free(b);
   } else {
     arena_.free(block);
   }
@@ -61,6 +83,7 @@ void Engine::release(HostBlock* hb) noexcept {
   bool delete_now = false;
   {
     std::lock_guard<std::mutex> guard(mu_);
+    if (hb->staging) staging_bytes_ -= hb->block.size;
     try {
       deferred_.push(hb->block, std::move(hb->fences));
       reclaim_locked();
@@ -105,6 +128,19 @@ void Engine::leave() {
 HostBlock* Engine::allocate_host(size_t bytes, bool allow_spill, bool staging) {
   std::string why;
   std::optional<Block> block;
+  if (disk_ && allow_spill && !staging) {  // a snapshot's staging never goes to disk
+    // Placement: first come stays in memory. Past the host limit, new values
+    // go to disk; nothing moves between tiers later.
+    if (std::optional<Block> b = allocate_disk(bytes)) {
+      auto hb = std::make_unique<HostBlock>();
+      hb->engine = this;
+      hb->block = *b;
+      auto l = lock();
+      ++live_blocks_;
+      note_peaks_locked();
+      return hb.release();
+    }
+  }
   for (;;) {
     EventPtr oldest;
     size_t chunk = 0;
@@ -158,6 +194,8 @@ HostBlock* Engine::allocate_host(size_t bytes, bool allow_spill, bool staging) {
                       "); spilling to pageable host memory, copies will be slower";
     }
   }
+  hb->staging = staging;
+  if (staging) staging_bytes_ += hb->block.size;
   ++live_blocks_;
   note_peaks_locked();
   return hb.release();
@@ -206,6 +244,7 @@ void Engine::note_peaks_locked() {
   s.peak_pinned_in_use_bytes = std::max(s.peak_pinned_in_use_bytes, arena_.in_use_bytes());
   s.peak_pageable_bytes = std::max(s.peak_pageable_bytes, s.pageable_bytes);
   s.peak_in_flight_bytes = std::max(s.peak_in_flight_bytes, s.in_flight_bytes);
+  if (disk_arena_) s.peak_disk_bytes = std::max(s.peak_disk_bytes, disk_arena_->in_use_bytes());
 }
 
 void Engine::throttle(size_t incoming) {
@@ -227,7 +266,7 @@ void Engine::throttle(size_t incoming) {
 
 EventPtr Engine::issue(Dir dir, CopyStream& stream, const std::vector<EventPtr>& deps,
                        const std::vector<CopyOp>& ops, std::vector<at::Tensor> keepalive,
-                       const std::vector<CopyOp>& split) {
+                       const std::vector<CopyOp>& split, const std::vector<EventPtr>& gates) {
   size_t bytes = 0;
   for (const auto& op : ops) bytes += op.total();
   bool timed;
@@ -244,7 +283,21 @@ EventPtr Engine::issue(Dir dir, CopyStream& stream, const std::vector<EventPtr>&
       stream.wait(dep);
     }
     if (timed) start = stream.record(true);
-    stream.copy(ops);
+    if (gates.empty()) {
+      stream.copy(ops);
+    } else {
+      // Piecewise (reads from disk): each piece is copied once its read is done.
+      std::vector<CopyOp> run;
+      for (size_t i = 0; i < ops.size(); ++i) {
+        if (gates[i]) {
+          if (!run.empty()) stream.copy(run);
+          run.clear();
+          stream.wait(gates[i]);
+        }
+        run.push_back(ops[i]);
+      }
+      if (!run.empty()) stream.copy(run);
+    }
     if (!split.empty()) stream.split(split);
     done = stream.record(timed);
   } catch (...) {
@@ -335,6 +388,11 @@ size_t Engine::reserved_bytes() {
 size_t Engine::empty_cache() {
   synchronize();
   auto l = lock();
+  // The disk tier's empty files and pooled I/O buffers go too (not counted: not pinned).
+  if (disk_arena_) disk_arena_->release_empty_chunks();
+  for (const Block& b : bounce_pool_) pageable_.release(b.ptr, b.size);
+  bounce_pool_.clear();
+  bounce_pool_bytes_ = 0;
   return arena_.release_empty_chunks();
 }
 
@@ -358,6 +416,17 @@ EngineStats Engine::stats() {
   s.host_callbacks = c.host_callbacks;
   s.pinned_registrations = c.pinned_registrations;
   s.syncs = c.syncs;
+  if (disk_) {
+    s.host_limit_bytes = disk_options_.host_limit;
+    s.disk_bytes = disk_arena_->in_use_bytes();
+    s.disk_reserved_bytes = disk_arena_->reserved_bytes();
+    s.disk_files = disk_->files();
+  }
+  s.disk_write_bytes = disk_write_bytes_.load();
+  s.disk_read_bytes = disk_read_bytes_.load();
+  s.disk_write_seconds = static_cast<double>(disk_write_ns_.load()) * 1e-9;
+  s.disk_read_seconds = static_cast<double>(disk_read_ns_.load()) * 1e-9;
+  s.disk_fallbacks = disk_fallbacks_.load();
   l.unlock();
   return s;
 }

@@ -16,6 +16,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -24,6 +25,8 @@
 #include "backend.h"
 #include "core/arena.h"
 #include "core/deferred_free.h"
+#include "core/disk_file.h"
+#include "core/host_stream.h"
 #include "core/page_source.h"
 #include "dedup.h"
 #include "host_block.h"
@@ -48,11 +51,24 @@ struct EngineStats {
   // Backend primitives (backend.h, Counters).
   uint64_t events_created = 0, events_recorded = 0, stream_waits = 0, copy_calls = 0;
   uint64_t host_callbacks = 0, pinned_registrations = 0, syncs = 0;
+  // Disk tier (0 without a disk dir).
+  size_t host_limit_bytes = 0, disk_bytes = 0, disk_reserved_bytes = 0, peak_disk_bytes = 0;
+  size_t disk_files = 0, disk_write_bytes = 0, disk_read_bytes = 0;
+  size_t disk_fallbacks = 0;
+  double disk_write_seconds = 0, disk_read_seconds = 0;
+};
+
+// The disk tier: past `host_limit` bytes of host memory (pinned + pageable),
+// stored values go to files under `dir`. Empty dir: no disk tier.
+struct DiskOptions {
+  std::string dir;
+  size_t host_limit = SIZE_MAX;
 };
 
 class Engine {
  public:
-  Engine(std::unique_ptr<Backend> backend, ArenaOptions arena, size_t max_in_flight);
+  Engine(std::unique_ptr<Backend> backend, ArenaOptions arena, size_t max_in_flight,
+         DiskOptions disk = {});
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -139,13 +155,27 @@ class Engine {
   bool same_bytes(const at::Tensor& source, const at::Tensor& stored);  // needs mu_
   // takes mu_; staging: a snapshot's transient buffer, whose spill is not a value's
   HostBlock* allocate_host(size_t bytes, bool allow_spill, bool staging = false);
+  // Past the host limit, a block of the disk arena, else nullopt (takes mu_;
+  // new files are made without it; raises, naming the folder and bytes, when
+  // the disk is full).
+  std::optional<Block> allocate_disk(size_t bytes);
+  // Temporary memory for disk I/O, kDiskAlign-aligned at `*aligned` (needs mu_).
+  Block allocate_bounce_locked(size_t bytes, char** aligned);
+  // Queues the write of a disk block's bytes, staged in `bounce`, after `after`;
+  // returns the write's completion (the block's `stored`).
+  EventPtr write_to_disk(HostBlock* hb, const Block& bounce, const char* data, size_t bytes,
+                         const EventPtr& after);
+  // Queues reads of [src, src + bytes) of a disk block into `*dst`, in pieces;
+  // returns one event per kDiskPiece, in order.
+  std::vector<EventPtr> read_from_disk(const char* src, size_t bytes, char* dst);
   void free_block(const Block& block);  // needs mu_
   void reclaim_locked();
   // Issues one batch of copies on `stream` after `deps`, then `split` (fetch's
   // span into independent tensors); returns their completion.
   EventPtr issue(Dir dir, CopyStream& stream, const std::vector<EventPtr>& deps,
                  const std::vector<CopyOp>& ops, std::vector<at::Tensor> keepalive,
-                 const std::vector<CopyOp>& split = {});
+                 const std::vector<CopyOp>& split = {},
+                 const std::vector<EventPtr>& gates = {});  // gates[i]: before ops[i]
   void throttle(size_t incoming);
   // Moves completed in-flight entries out (destroyed by the caller, unlocked).
   std::vector<InFlight> reap_locked();
@@ -175,10 +205,25 @@ class Engine {
   bool retired_ = false;
   std::atomic<size_t> live_blocks_{0};
   std::atomic<size_t> active_{0};
-  EventPtr trace_origin_;  // non-null while tracing
+  size_t staging_bytes_ = 0;  // host blocks used as snapshot staging (needs mu_)
+  EventPtr trace_origin_;     // non-null while tracing
   std::vector<TraceRow> trace_;
   std::string spill_notice_;
+  // Disk tier (null without a disk dir). Declared after the arena: destroyed first.
+  DiskOptions disk_options_;
+  std::unique_ptr<DiskSource> disk_;
+  std::unique_ptr<Arena> disk_arena_;
+  bool disk_warned_ = false;
+  // Pageable disk I/O buffers kept for reuse, up to kBouncePoolBytes (few: a linear search).
+  std::vector<Block> bounce_pool_;
+  size_t bounce_pool_bytes_ = 0;
+  std::atomic<size_t> disk_write_bytes_{0}, disk_read_bytes_{0};
+  std::atomic<int64_t> disk_write_ns_{0}, disk_read_ns_{0};
+  std::atomic<size_t> disk_fallbacks_{0};  // pread/pwrite failed: copied through the mapping
   std::atomic<size_t> lock_waits_over_1ms_{0};
+  // The I/O thread: never holds mu_ or the GIL while waiting; made with the
+  // first disk block. Last: stopped first.
+  std::unique_ptr<HostStream> io_;
 };
 
 // The process-wide engine, created on first use with the configured backend.
@@ -198,7 +243,8 @@ class EngineUse {
   Engine* engine_;
 };
 void configure_global_engine(const std::string& backend, size_t pinned_limit, size_t min_chunk,
-                             size_t max_in_flight, int64_t host_copy_delay_us);
+                             size_t max_in_flight, int64_t host_copy_delay_us,
+                             const std::string& disk_dir = "", size_t host_limit = SIZE_MAX);
 bool global_engine_created();
 // synchronize() on every engine: the current one and those replaced by configure().
 void synchronize_all();

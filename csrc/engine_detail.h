@@ -17,6 +17,13 @@ constexpr size_t kPackBytes = size_t{1} << 20;
 constexpr size_t kPackPieceBytes = size_t{16} << 20;
 constexpr size_t kPackAlign = 64;  // >= every dtype's alignment
 constexpr size_t kSpanSlack = 4096;
+// Disk tier: files grow by chunks of at least kDiskMinChunk; I/O moves
+// kDiskPiece at a time, so a fetch copies one piece while reading the next.
+constexpr size_t kDiskMinChunk = size_t{32} << 20;
+constexpr size_t kDiskPiece = size_t{8} << 20;
+// Disk I/O buffers kept for reuse: mapping and pre-faulting them per copy costs
+// as much as the copy.
+constexpr size_t kBouncePoolBytes = size_t{256} << 20;
 
 inline size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 inline bool dense_enough(size_t span, size_t payload) { return span <= 2 * payload + kSpanSlack; }

@@ -155,6 +155,45 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
         }
       }
     });
+    // Disk blocks: their span is read into a bounce buffer piece by piece, and
+    // each piece is copied on as soon as it is read (ops[k] is segments[k]'s).
+    std::vector<EventPtr> gates;
+    std::vector<Block> bounces;
+    if (disk_) {
+      std::vector<CopyOp> piecewise;
+      for (size_t k = 0; k < segments.size(); ++k) {
+        const Segment& seg = segments[k];
+        // Another engine's disk block (configure() since) is read through its mapping.
+        if (seg.block == nullptr || !seg.block->disk() || seg.block->engine != this) {
+          piecewise.push_back(ops[k]);
+          gates.push_back(nullptr);
+          continue;
+        }
+        const size_t shift = (reinterpret_cast<uintptr_t>(seg.begin) -
+                              reinterpret_cast<uintptr_t>(seg.block->block.ptr)) %
+                             kDiskAlign;
+        char* bounce = nullptr;
+        EventPtr written;
+        {
+          auto l = lock();
+          bounces.push_back(
+              allocate_bounce_locked(align_up(shift + seg.length, kDiskAlign), &bounce));
+          written = seg.block->stored;
+        }
+        io_->wait_event(written);
+        std::vector<EventPtr> reads = read_from_disk(seg.begin, seg.length, bounce);
+        // Piece j holds bounce bytes [j, j + 1) * kDiskPiece: data from j * kDiskPiece - shift.
+        for (size_t j = 0; j < reads.size(); ++j) {
+          const size_t lo = j == 0 ? 0 : j * kDiskPiece - shift;
+          const size_t hi = std::min(seg.length, (j + 1) * kDiskPiece - shift);
+          if (lo >= hi) break;
+          piecewise.push_back(
+              CopyOp{static_cast<char*>(ops[k].dst) + lo, bounce + shift + lo, hi - lo});
+          gates.push_back(reads[j]);
+        }
+      }
+      ops = std::move(piecewise);
+    }
     for (size_t i = 0; i < n; ++i) {
       if (!sources[i].dense.defined() || sources[i].dense.device() != from) continue;
       if (pending[i]) deps.push_back(pending[i]);
@@ -171,10 +210,11 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
     // Several source devices (rare): each group follows the earlier ones, so the
     // last group's event is the whole fetch's.
     deps.insert(deps.end(), done_events.begin(), done_events.end());
-    EventPtr done = issue(dir, stream, deps, ops, std::move(keepalive), split);
+    EventPtr done = issue(dir, stream, deps, ops, std::move(keepalive), split, gates);
     {
       auto l = lock();
       ++stats_.fetches;
+      for (const Block& b : bounces) deferred_.push(b, {done});
       for (HostBlock* hb : blocks) hb->add_fence(done);
     }
     if (!device.is_cpu()) {

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 
 #include "engine.h"
 #include "engine_detail.h"
@@ -178,6 +179,45 @@ std::vector<at::Tensor> Engine::store_to_host(const std::vector<at::Tensor>& val
         (*stored)[it.index] = true;
       }
       throttle(total);  // staging memory is bounded by the in-flight bound
+      // A disk block: the copy fills an aligned bounce buffer, which the I/O
+      // thread then writes to the block's file. Until that write is queued the
+      // buffer is this call's to free (a failed copy was waited for by issue()).
+      char* dst_base = static_cast<char*>(hb->block.ptr);
+      Block bounce;
+      if (hb->disk()) {
+        auto l = lock();
+        bounce = allocate_bounce_locked(align_up(total, kDiskAlign), &dst_base);
+      }
+      struct BounceGuard {
+        Engine* engine;
+        Block* bounce;
+        ~BounceGuard() {
+          if (bounce->ptr == nullptr) return;
+          auto l = engine->lock();
+          engine->free_block(*bounce);
+        }
+      } guard{this, &bounce};
+      if (hb->disk() && device.is_cpu()) {
+        // From the CPU to disk: the copy into the bounce buffer, made now by
+        // this thread, is the snapshot; the I/O thread writes it out.
+        std::vector<at::Tensor> dst, src;
+        for (const Item& it : group) {
+          dst.push_back(
+              at::for_blob(dst_base + it.offset, {static_cast<int64_t>(it.dense.nbytes())})
+                  .options(at::TensorOptions().dtype(at::kByte))
+                  .make_tensor());
+          src.push_back(bytes_of(it.dense));
+        }
+        at::_foreach_copy_(dst, src);
+        EventPtr written =
+            write_to_disk(hb, std::exchange(bounce, Block{}), dst_base, total, nullptr);
+        auto l = lock();
+        stats_.d2h_bytes += total;
+        stats_.d2h_copies += group.size();
+        hb->stored = written;
+        hb->add_fence(written);
+        continue;
+      }
       // Snapshot: the group's bytes, laid out like the block, copied now in the
       // producer's stream order (on the CPU, by this thread). A value that is a
       // private copy already (resolved or made dense) needs none when alone.
@@ -215,11 +255,10 @@ std::vector<at::Tensor> Engine::store_to_host(const std::vector<at::Tensor>& val
       }
       if (keepalive.size() == 1 && !direct) {
         const at::Tensor& k = keepalive[0];
-        ops.push_back(CopyOp{hb->block.ptr, k.data_ptr(), k.nbytes()});
+        ops.push_back(CopyOp{dst_base, k.data_ptr(), k.nbytes()});
       } else {
         for (const Item& it : group) {
-          ops.push_back(CopyOp{static_cast<char*>(hb->block.ptr) + it.offset, it.dense.data_ptr(),
-                               it.dense.nbytes()});
+          ops.push_back(CopyOp{dst_base + it.offset, it.dense.data_ptr(), it.dense.nbytes()});
         }
       }
       // Producer stream -> event -> D2H copy stream.
@@ -229,6 +268,8 @@ std::vector<at::Tensor> Engine::store_to_host(const std::vector<at::Tensor>& val
       // Without a snapshot, later work on the producer stream may not touch the
       // sources before the copy has read them.
       if (direct) backend_->current_wait(device, done);
+      if (hb->disk())
+        done = write_to_disk(hb, std::exchange(bounce, Block{}), dst_base, total, done);
       auto l = lock();
       hb->stored = done;
       hb->add_fence(done);

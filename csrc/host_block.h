@@ -18,7 +18,10 @@ namespace offcache {
 
 class Engine;
 
-constexpr uint32_t kPageableChunk = UINT32_MAX;  // Block::chunk of a spilled block
+constexpr uint32_t kPageableChunk = UINT32_MAX;    // Block::chunk of a spilled block
+constexpr uint32_t kBounceChunk = UINT32_MAX - 1;  // Block::chunk of a pooled disk I/O buffer
+constexpr uint32_t kDiskChunkBit = 1u << 30;  // Block::chunk of a disk block: its disk chunk | this
+inline bool on_disk(const Block& b) { return b.chunk < kBounceChunk && (b.chunk & kDiskChunkBit); }
 
 struct HostBlock {
   Engine* engine = nullptr;
@@ -26,7 +29,9 @@ struct HostBlock {
   EventPtr stored;               // the last copy that wrote the block
   std::vector<EventPtr> fences;  // copies still touching it, one entry per event
   std::atomic<size_t> refs{0};   // storages viewing the block
-  bool pinned() const { return block.chunk != kPageableChunk; }
+  bool staging = false;          // a snapshot's transient buffer
+  bool pinned() const { return block.chunk < kBounceChunk && !on_disk(block); }
+  bool disk() const { return on_disk(block); }
   // Adds `event` once, dropping fences that have completed.
   void add_fence(const EventPtr& event);
 };

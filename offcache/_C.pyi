@@ -46,6 +46,16 @@ class _Stats(TypedDict):
     host_callbacks: int
     pinned_registrations: int
     syncs: int
+    host_limit_bytes: int
+    disk_bytes: int
+    disk_reserved_bytes: int
+    peak_disk_bytes: int
+    disk_files: int
+    disk_write_bytes: int
+    disk_read_bytes: int
+    disk_write_seconds: float
+    disk_read_seconds: float
+    disk_fallbacks: int
     pinned: bool
     retired_engines: int
     retired_reserved_bytes: int
@@ -105,6 +115,7 @@ def take_spill_notice() -> str:
 def backend_name() -> Literal["cuda", "host"]: ...
 def is_arena_tensor(t: torch.Tensor, /) -> bool: ...
 def is_offcache_tensor(t: torch.Tensor, /) -> bool: ...
+def is_disk_tensor(t: torch.Tensor, /) -> bool: ...
 def engine_created() -> bool: ...
 def configure(
     backend: str,
@@ -112,6 +123,8 @@ def configure(
     min_chunk: int,
     max_in_flight: int,
     host_copy_delay_us: int,
+    disk_dir: str = "",
+    host_limit: int = ...,
 ) -> None:
     """Replace the process-wide engine (earlier stored tensors keep working)."""
 

@@ -8,6 +8,9 @@ Environment (read when offcache is imported; ``configure`` changes it later):
   OFFCACHE_CHUNK_BYTES         smallest arena chunk
   OFFCACHE_MAX_IN_FLIGHT       bound on bytes being copied at once
   OFFCACHE_HOST_COPY_DELAY_US  slows each host-backend copy (tests widen race windows)
+  OFFCACHE_DISK_DIR            folder for the disk tier (default: none, nothing goes to disk)
+  OFFCACHE_HOST_LIMIT          host memory (pinned + pageable) offcache uses before it writes
+                               to disk: bytes, a size or a % of RAM; only with a disk dir
 Defaults: DEFAULTS below.
 """
 
@@ -45,6 +48,7 @@ __all__ = [
     "empty_cache",
     "fetch",
     "is_arena_tensor",
+    "is_disk_tensor",
     "is_offcache_tensor",
     "parse_size",
     "set_pinned_limit",
@@ -67,6 +71,8 @@ DEFAULTS: dict[str, str | int] = {
     "min_chunk": "2MiB",
     "max_in_flight": "1GiB",
     "host_copy_delay_us": 0,
+    "disk_dir": "",
+    "host_limit": "75%",  # of RAM, divided among the local ranks (LOCAL_WORLD_SIZE)
 }
 _ENV = {
     "backend": "OFFCACHE_BACKEND",
@@ -74,6 +80,8 @@ _ENV = {
     "min_chunk": "OFFCACHE_CHUNK_BYTES",
     "max_in_flight": "OFFCACHE_MAX_IN_FLIGHT",
     "host_copy_delay_us": "OFFCACHE_HOST_COPY_DELAY_US",
+    "disk_dir": "OFFCACHE_DISK_DIR",
+    "host_limit": "OFFCACHE_HOST_LIMIT",
 }
 _SIZE_MAX = 2**64 - 1
 
@@ -88,7 +96,7 @@ _SIZE_FORMS = "bytes as an int, or a string such as '512MiB', '64GiB', '1.5GB' o
 
 
 class SpillWarning(UserWarning):
-    """Values no longer fit the pinned budget and now live in pageable memory."""
+    """Values no longer fit the pinned budget and now live in pageable memory (or on disk)."""
 
 
 def total_ram_bytes() -> int:
@@ -148,6 +156,24 @@ def default_pinned_limit() -> int:
     return parse_size(DEFAULTS["pinned_limit"]) // local_world_size()
 
 
+def default_host_limit() -> int:
+    """75% of RAM, shared among the local ranks like the pinned budget."""
+    return parse_size(DEFAULTS["host_limit"]) // local_world_size()
+
+
+def _disk_dir(given: str | os.PathLike | None, name: str) -> str:
+    """The disk tier's folder, checked now so a bad path fails at configure, not mid-run."""
+    path = os.fspath(given) if given else ""
+    if not path:
+        return ""
+    path = os.path.abspath(path)
+    if not os.path.isdir(path):
+        raise ValueError(f"{name}: {path!r} is not a folder (make it first)")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"{name}: cannot write to {path!r}")
+    return path
+
+
 def _setting(name: str, given):
     """An argument, else its environment variable, else the default; with the name for errors."""
     if given is not None:
@@ -164,17 +190,25 @@ def configure(
     min_chunk: str | int | None = None,
     max_in_flight: str | int | None = None,
     host_copy_delay_us: int | None = None,
+    disk_dir: str | os.PathLike | None = None,
+    host_limit: str | int | None = None,
 ) -> None:
     """(Re)configure the process-wide engine; unset arguments come from the environment.
 
     Tensors stored earlier keep working: the engine that made them serves them until the
     last one dies, then stops its threads and gives its memory back.
+
+    With a `disk_dir`, values stored once offcache holds `host_limit` bytes of host memory
+    (pinned + pageable) go to files there instead; without one nothing goes to disk.
     """
     backend, _ = _setting("backend", backend)
     limit, limit_name = _setting("pinned_limit", pinned_limit)
     chunk, chunk_name = _setting("min_chunk", min_chunk)
     flight, flight_name = _setting("max_in_flight", max_in_flight)
     delay, delay_name = _setting("host_copy_delay_us", host_copy_delay_us)
+    disk, disk_name = _setting("disk_dir", disk_dir)
+    host, host_name = _setting("host_limit", host_limit)
+    host_bytes = default_host_limit() if host_name == "the default host_limit" else parse_size(host, host_name)
     if limit_name == "the default pinned_limit":
         limit_bytes = default_pinned_limit()
     else:
@@ -188,6 +222,8 @@ def configure(
         min_chunk=chunk_bytes,
         max_in_flight=parse_size(flight, flight_name),
         host_copy_delay_us=_parse_int(delay, f"{delay_name} (microseconds)"),
+        disk_dir=_disk_dir(disk, disk_name),
+        host_limit=host_bytes,
     )
 
 
@@ -197,7 +233,12 @@ def set_pinned_limit(limit: str | int) -> None:
 
 
 def stats() -> dict:
-    """Counters of the process's engine: bytes pinned, in use, pageable, in flight, copied, ..."""
+    """Counters of the process's engine: bytes pinned, in use, pageable, in flight, copied, ...
+
+    Disk tier: disk_bytes (in use), disk_reserved_bytes (files' size), disk_files,
+    disk_write_bytes / disk_read_bytes and disk_write_seconds / disk_read_seconds (I/O thread
+    time), disk_fallbacks (direct I/O refused: copied through the mapping), host_limit_bytes.
+    """
     return _C.stats()
 
 
@@ -281,6 +322,11 @@ def wait_stored(t: Tensor) -> None:
 def is_arena_tensor(t: Tensor) -> bool:
     """True for a stored tensor in the pinned arena of the current engine."""
     return _C.is_arena_tensor(t)
+
+
+def is_disk_tensor(t: Tensor) -> bool:
+    """True for a stored tensor whose bytes live in the disk tier (a mapped file)."""
+    return _C.is_disk_tensor(t)
 
 
 def is_offcache_tensor(t: Tensor) -> bool:

@@ -1,9 +1,17 @@
 """Shared fixtures. GPU tests are marked `gpu` and skipped here, in one place."""
 
+import atexit
+import shutil
+import tempfile
+
 import pytest
 import torch
 
 import offcache
+
+# The disk tier's folder for this test session (its files have no names; the folder is removed at exit).
+DISK_DIR = tempfile.mkdtemp(prefix="offcache-tests-disk-")
+atexit.register(shutil.rmtree, DISK_DIR, True)
 
 # The engine configurations the model-based tests run under, by id.
 ENGINE_CONFIGS = {
@@ -11,6 +19,14 @@ ENGINE_CONFIGS = {
     "host": {"backend": "host"},
     # A 1 MiB budget and slowed copies: spills, and wide race windows.
     "host-1MiB-slow": {"backend": "host", "pinned_limit": "1MiB", "min_chunk": "256KiB", "host_copy_delay_us": 200},
+    # No host memory for values at all: every value crosses the disk tier.
+    "host-disk": {
+        "backend": "host",
+        "pinned_limit": "1MiB",
+        "min_chunk": "256KiB",
+        "host_limit": 0,
+        "disk_dir": DISK_DIR,
+    },
 }
 
 

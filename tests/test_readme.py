@@ -11,8 +11,10 @@ README = Path(__file__).parent.parent / "README.md"
 def test_configuration_table_matches_the_defaults():
     rows = re.findall(r"^\| `(OFFCACHE_[A-Z_]+)` \| .* \| `([^`]+)` \|$", README.read_text(), re.MULTILINE)
     documented = dict(rows)
-    by_variable = {variable: str(_engine.DEFAULTS[name]) for name, variable in _engine._ENV.items()}
-    assert documented == by_variable
+    defaults = {variable: str(_engine.DEFAULTS[name]) for name, variable in _engine._ENV.items()}
+    assert documented == {v: d for v, d in defaults.items() if d}
+    for variable in (v for v, d in defaults.items() if not d):  # unset by default
+        assert re.search(rf"^\| `{variable}` \| .* \| none", README.read_text(), re.MULTILINE), variable
 
 
 def test_readme_commands_are_the_ones_ci_runs():

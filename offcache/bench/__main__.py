@@ -6,7 +6,8 @@ GPU-less host every section runs on the host backend and only the ratios
 between implementations measured in the same run mean anything.
 
 Sections: all (transfer, overlap, small, pipeline, kv), transfer, overlap,
-small, pipeline (with pinned and timeline), kv, soak, oneshot. Each section
+small, pipeline (with pinned and timeline), kv, soak, oneshot, disk (the disk
+tier; its folder is OFFCACHE_BENCH_DISK_DIR, else the temp folder). Each section
 merges its results into DIR/results.json, keeping what earlier runs wrote there,
 and records its command, date, device and build under "runs"; the plots are
 redrawn from everything the file holds.
@@ -27,7 +28,7 @@ from offcache.bench.common import Context, device_info, load_results, run_info, 
 from offcache.bench.plots import plot_all
 
 ALL = ("transfer", "overlap", "small", "pipeline", "kv")
-SECTIONS = (*ALL, "soak", "oneshot")
+SECTIONS = (*ALL, "soak", "oneshot", "disk")
 # The results.json keys each section writes.
 KEYS = {"pipeline": ("pipeline", "pinned", "timeline")}
 
@@ -83,6 +84,10 @@ def run_section(name: str, ctx: Context, args: argparse.Namespace) -> dict:
         from offcache.bench.oneshot import run_oneshot
 
         return {"oneshot": run_oneshot(ctx)}
+    if name == "disk":
+        from offcache.bench.disk import run_disk
+
+        return {"disk": run_disk(ctx)}
     raise ValueError(f"unknown section {name!r}")
 
 
@@ -177,6 +182,10 @@ def summary(r: dict, names=SECTIONS) -> str:
         from offcache.bench.oneshot import describe
 
         lines.append(describe(r["oneshot"]))
+    if "disk" in names and r.get("disk"):
+        from offcache.bench.disk import summary_lines
+
+        lines.extend(summary_lines(r["disk"]))
     return "\n".join(lines)
 
 

@@ -1,0 +1,131 @@
+// The disk tier's files: no name left behind, reserved space, aligned and
+// unaligned I/O, and clear errors.
+#include <dirent.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "arena.h"
+#include "disk_file.h"
+
+namespace offcache {
+namespace {
+
+struct TempDir {
+  std::string path;
+  TempDir() {
+    char tmpl[] = "/tmp/offcache-test-XXXXXX";
+    path = mkdtemp(tmpl);
+  }
+  ~TempDir() { rmdir(path.c_str()); }
+  size_t entries() const {
+    size_t n = 0;
+    DIR* d = opendir(path.c_str());
+    while (dirent* e = readdir(d)) n += std::strcmp(e->d_name, ".") && std::strcmp(e->d_name, "..");
+    closedir(d);
+    return n;
+  }
+};
+
+TEST(DiskSource, ChunksAreMappedFilesWithNoName) {
+  TempDir dir;
+  DiskSource source(dir.path);
+  std::string why;
+  auto* p = static_cast<char*>(source.allocate(1 << 20, &why));
+  ASSERT_NE(p, nullptr) << why;
+  EXPECT_EQ(dir.entries(), 0u);  // unlinked, private folder removed
+  EXPECT_EQ(source.files(), 1u);
+  std::memset(p, 7, 1 << 20);  // the mapping is ordinary memory
+  DiskSource::Where w = source.locate(p + 8192);
+  EXPECT_GE(w.fd, 0);
+  EXPECT_EQ(w.offset, 8192);
+  EXPECT_LT(source.locate(p + (1 << 20)).fd, 0);
+  source.release(p, 1 << 20);
+  EXPECT_EQ(source.files(), 0u);
+}
+
+TEST(DiskSource, AlignedAndUnalignedIoSeeTheMapping) {
+  TempDir dir;
+  DiskSource source(dir.path);
+  std::string why;
+  const size_t n = 4 * kDiskAlign;
+  auto* p = static_cast<char*>(source.allocate(n, &why));
+  ASSERT_NE(p, nullptr) << why;
+  void* aligned = nullptr;
+  ASSERT_EQ(posix_memalign(&aligned, kDiskAlign, n), 0);
+  auto* buf = static_cast<char*>(aligned);
+  for (size_t i = 0; i < n; ++i) buf[i] = static_cast<char>(i * 31);
+  ASSERT_TRUE(disk_write(source.locate(p), buf, n, &why)) << why;  // O_DIRECT where allowed
+  for (size_t i = 0; i < n; ++i) ASSERT_EQ(p[i], buf[i]) << i;
+  // Unaligned: buffered descriptor.
+  ASSERT_TRUE(disk_write(source.locate(p + 3), "hello", 5, &why)) << why;
+  EXPECT_EQ(std::memcmp(p + 3, "hello", 5), 0);
+  std::vector<char> back(n);
+  ASSERT_TRUE(disk_read(source.locate(p + 1), back.data() + 1, n - 1, &why)) << why;
+  EXPECT_EQ(std::memcmp(back.data() + 1, p + 1, n - 1), 0);
+  free(aligned);
+  source.release(p, n);
+}
+
+TEST(DiskSource, MissingFolderNamesIt) {
+  DiskSource source("/nonexistent/offcache-dir");
+  std::string why;
+  EXPECT_EQ(source.allocate(4096, &why), nullptr);
+  EXPECT_NE(why.find("/nonexistent/offcache-dir"), std::string::npos) << why;
+}
+
+TEST(DiskSource, FileSizeLimitIsAClearError) {
+  TempDir dir;
+  // In a child: RLIMIT_FSIZE makes the reservation fail with EFBIG (SIGXFSZ ignored).
+  int pipefd[2];
+  ASSERT_EQ(pipe(pipefd), 0);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    signal(SIGXFSZ, SIG_IGN);
+    rlimit lim{1 << 20, 1 << 20};
+    setrlimit(RLIMIT_FSIZE, &lim);
+    DiskSource source(dir.path);
+    std::string why;
+    void* p = source.allocate(8 << 20, &why);
+    if (write(pipefd[1], why.data(), why.size()) < 0) _exit(3);
+    _exit(p == nullptr ? 0 : 2);
+  }
+  close(pipefd[1]);
+  char buf[512] = {};
+  const ssize_t got = read(pipefd[0], buf, sizeof(buf) - 1);
+  close(pipefd[0]);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+  const std::string why(buf, got > 0 ? got : 0);
+  EXPECT_NE(why.find(dir.path), std::string::npos) << why;
+  EXPECT_NE(why.find("8388608 bytes"), std::string::npos) << why;
+  EXPECT_EQ(dir.entries(), 0u);
+}
+
+TEST(DiskSource, ArenaOverDiskChunks) {
+  TempDir dir;
+  DiskSource source(dir.path);
+  ArenaOptions options;
+  options.min_chunk = 1 << 20;
+  options.alignment = kDiskAlign;
+  Arena arena(source, options);
+  auto a = arena.allocate(5000);
+  auto b = arena.allocate(100);
+  ASSERT_TRUE(a && b);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(b->ptr) % kDiskAlign, 0u);
+  EXPECT_EQ(source.locate(b->ptr).offset % kDiskAlign, 0);
+  arena.free(*a);
+  arena.free(*b);
+}
+
+}  // namespace
+}  // namespace offcache

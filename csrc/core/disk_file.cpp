@@ -1,0 +1,161 @@
+#include "disk_file.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace offcache {
+namespace {
+
+std::string errno_text(int err) { return std::strerror(err); }
+
+bool aligned(const void* buf, size_t bytes, off_t offset) {
+  return reinterpret_cast<uintptr_t>(buf) % kDiskAlign == 0 && bytes % kDiskAlign == 0 &&
+         static_cast<size_t>(offset) % kDiskAlign == 0;
+}
+
+// A new file with no name: made in a fresh private folder, unlinked, and the
+// folder removed, before this returns. -1 with `error` set on failure.
+int anonymous_file(const std::string& dir, std::string* error) {
+  std::string tmpl = dir + "/offcache-XXXXXX";
+  std::vector<char> buf(tmpl.begin(), tmpl.end());
+  buf.push_back('\0');
+  if (mkdtemp(buf.data()) == nullptr) {  // mode 0700
+    *error = "cannot make a private folder in " + dir + ": " + errno_text(errno);
+    return -1;
+  }
+  const std::string folder(buf.data());
+  const std::string path = folder + "/chunk";
+  const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  const int err = errno;
+  if (fd >= 0) unlink(path.c_str());
+  rmdir(folder.c_str());
+  if (fd < 0) *error = "cannot create a file in " + folder + ": " + errno_text(err);
+  return fd;
+}
+
+}  // namespace
+
+DiskSource::~DiskSource() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [base, f] : files_) {
+    munmap(const_cast<char*>(base), f.size);
+    close(f.fd);
+    if (f.direct >= 0) close(f.direct);
+  }
+}
+
+void* DiskSource::allocate(size_t bytes, std::string* error) {
+  std::string why;
+  const int fd = anonymous_file(dir_, &why);
+  if (fd < 0) {
+    if (error) *error = why;
+    return nullptr;
+  }
+  // Reserve the space now: ENOSPC / EFBIG (RLIMIT_FSIZE) surface here.
+  int rc = fallocate(fd, 0, 0, static_cast<off_t>(bytes));
+  if (rc != 0 && (errno == EOPNOTSUPP || errno == ENOSYS)) {
+    rc = ftruncate(fd, static_cast<off_t>(bytes));  // no reservation on this file system
+  }
+  if (rc != 0) {
+    const int err = errno;
+    close(fd);
+    if (error) {
+      *error =
+          "no room for " + std::to_string(bytes) + " bytes in " + dir_ + ": " + errno_text(err);
+    }
+    return nullptr;
+  }
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    const int err = errno;
+    close(fd);
+    if (error) {
+      *error = "mmap of a " + std::to_string(bytes) + "-byte file in " + dir_ +
+               " failed: " + errno_text(err);
+    }
+    return nullptr;
+  }
+  // The same file again, unbuffered, through its /proc link (it has no name).
+  const std::string link = "/proc/self/fd/" + std::to_string(fd);
+  const int direct = open(link.c_str(), O_RDWR | O_DIRECT | O_CLOEXEC);
+  std::lock_guard<std::mutex> lock(mu_);
+  files_[static_cast<const char*>(p)] = File{bytes, fd, direct};
+  return p;
+}
+
+void DiskSource::release(void* ptr, size_t bytes) noexcept {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = files_.find(static_cast<const char*>(ptr));
+  if (it == files_.end()) return;
+  munmap(ptr, bytes);
+  close(it->second.fd);
+  if (it->second.direct >= 0) close(it->second.direct);
+  files_.erase(it);
+}
+
+DiskSource::Where DiskSource::locate(const void* p) const {
+  const auto* c = static_cast<const char*>(p);
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = files_.upper_bound(c);
+  if (it == files_.begin()) return {};
+  --it;
+  if (c >= it->first + it->second.size) return {};
+  return Where{it->second.fd, it->second.direct, static_cast<off_t>(c - it->first)};
+}
+
+size_t DiskSource::files() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return files_.size();
+}
+
+namespace {
+
+template <class Op>
+bool transfer(const DiskSource::Where& w, char* buf, size_t bytes, const char* what, Op op,
+              std::string* error) {
+  int fd = w.direct >= 0 && aligned(buf, bytes, w.offset) ? w.direct : w.fd;
+  size_t done = 0;
+  while (done < bytes) {
+    const ssize_t n = op(fd, buf + done, bytes - done, w.offset + static_cast<off_t>(done));
+    if (n > 0) {
+      done += static_cast<size_t>(n);
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && errno == EINVAL && fd == w.direct) {  // O_DIRECT refused after all
+      fd = w.fd;
+      continue;
+    }
+    const int err = n == 0 ? EIO : errno;
+    if (error) {
+      *error = std::string(what) + " of " + std::to_string(bytes) + " bytes at offset " +
+               std::to_string(w.offset) + " failed after " + std::to_string(done) +
+               " bytes: " + (n == 0 ? std::string("unexpected end of file") : errno_text(err));
+    }
+    return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+bool disk_write(const DiskSource::Where& w, const void* buf, size_t bytes, std::string* error) {
+  return transfer(
+      w, const_cast<char*>(static_cast<const char*>(buf)), bytes, "write",
+      [](int fd, char* p, size_t n, off_t o) { return pwrite(fd, p, n, o); }, error);
+}
+
+bool disk_read(const DiskSource::Where& w, void* buf, size_t bytes, std::string* error) {
+  return transfer(
+      w, static_cast<char*>(buf), bytes, "read",
+      [](int fd, char* p, size_t n, off_t o) { return pread(fd, p, n, o); }, error);
+}
+
+}  // namespace offcache

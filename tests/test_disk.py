@@ -1,0 +1,289 @@
+"""The disk tier: values past the host limit live in files under the disk dir.
+
+Placement (first come stays in memory), round trips through disk, `.value`,
+pickle, prefetch that starts reading at fetch time, stats, the spill notice,
+no names left on disk (even after kill -9), and disk full (RLIMIT_FSIZE).
+"""
+
+import copy
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+import torch
+
+import offcache
+from offcache import _engine
+from tests.conftest import DISK_DIR
+
+CPU = torch.device("cpu")
+MiB = 1 << 20
+
+
+@pytest.fixture
+def disk_dir(tmp_path):
+    d = tmp_path / "disk"
+    d.mkdir()
+    return d
+
+
+@pytest.fixture
+def all_on_disk(engine_config, disk_dir):
+    engine_config(backend="host", pinned_limit="1MiB", min_chunk="256KiB", host_limit=0, disk_dir=disk_dir)
+    return disk_dir
+
+
+def values(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    big = torch.randn(3 * MiB + 13, generator=g)  # over a disk piece, not a multiple of 4096 bytes
+    return [
+        torch.randn(7, 5, generator=g),
+        torch.randint(0, 255, (1000,), generator=g, dtype=torch.uint8),
+        torch.randn(2, 3, 8, 8, generator=g).to(memory_format=torch.channels_last),
+        big,
+        torch.randn(300, generator=g).to(torch.bfloat16),
+        torch.zeros(0, 4),
+    ]
+
+
+def test_values_round_trip_through_disk(all_on_disk):
+    src = values()
+    stored = _engine.store(src, CPU)
+    assert all(_engine.is_disk_tensor(t) for t in stored if t.numel())
+    assert os.listdir(all_on_disk) == []  # the files have no names
+    got, ticket = _engine.fetch(stored, CPU)
+    ticket.wait()
+    for a, b, s in zip(src, got, stored):
+        assert torch.equal(a, b)
+        assert b.stride() == a.stride()
+        _engine.wait_stored(s)
+        assert torch.equal(a, s)  # `.value` reads the mapped file
+    s = offcache.stats()
+    assert s["disk_bytes"] > 0 and s["disk_files"] >= 1 and s["host_limit_bytes"] == 0
+    assert s["disk_write_bytes"] >= sum(t.nbytes for t in src)
+    assert s["disk_read_bytes"] >= sum(t.nbytes for t in src)
+    assert s["disk_write_seconds"] > 0 and s["disk_read_seconds"] > 0
+    del stored, got
+    offcache.empty_cache()  # gives the disk tier's empty files back too
+    s = offcache.stats()
+    assert s["disk_bytes"] == 0 and s["disk_files"] == 0 and s["peak_disk_bytes"] > 0
+
+
+def test_disk_tensors_pickle_and_deepcopy(all_on_disk):
+    src = values(1)
+    stored = _engine.store(src, CPU)
+    for a, s in zip(src, stored):
+        _engine.wait_stored(s)
+        assert torch.equal(pickle.loads(pickle.dumps(s)), a)
+        assert torch.equal(copy.deepcopy(s), a)
+
+
+def test_cache_values_and_views_through_disk(all_on_disk):
+    cache = offcache.IntermediatesCache.empty(3, "cpu")
+    batches = [{"x": torch.randn(64, 64), "pair": (torch.arange(10), torch.ones(3))} for _ in range(3)]
+    with pytest.warns(offcache.SpillWarning, match="disk"):
+        for b, v in enumerate(batches):
+            cache.update(b, v)
+    for b, got in enumerate(cache.iter_prefetch()):
+        assert torch.equal(got["x"], batches[b]["x"])
+        assert torch.equal(got["pair"][1], batches[b]["pair"][1])
+    deep = copy.deepcopy(cache)
+    assert torch.equal(deep.fetch(2)["x"], batches[2]["x"])
+    # A strided view of a disk value: fetched through the mapping.
+    (view,) = _engine.store([torch.arange(100.0)], CPU)
+    got, _ = _engine.fetch([view[::3]], CPU)
+    assert torch.equal(got[0], torch.arange(100.0)[::3])
+
+
+def test_fetch_starts_reading_before_the_ticket_is_waited(all_on_disk):
+    src = [torch.randn(4 * MiB // 4) for _ in range(4)]
+    stored = _engine.store(src, CPU)
+    offcache.synchronize()
+    before = offcache.stats()["disk_read_bytes"]
+    got, ticket = _engine.fetch(stored, CPU, wait=False)
+    deadline = time.monotonic() + 30
+    while offcache.stats()["disk_read_bytes"] < before + sum(t.nbytes for t in src):
+        assert time.monotonic() < deadline, "the disk read did not run ahead of ticket.wait()"
+        time.sleep(0.005)
+    ticket.wait()
+    assert all(torch.equal(a, b) for a, b in zip(src, got))
+
+
+def test_placement_first_come_stays_in_memory(engine_config, disk_dir):
+    engine_config(backend="host", pinned_limit="64MiB", min_chunk="1MiB", host_limit="4MiB", disk_dir=disk_dir)
+    stored = [_engine.store([torch.full((MiB // 4,), float(i))], CPU)[0] for i in range(12)]
+    on_disk = [_engine.is_disk_tensor(t) for t in stored]
+    # Batches written first (and read first, in the sequential pattern) stay in memory.
+    assert on_disk == sorted(on_disk) and 0 < on_disk.count(False) <= 4 and on_disk[-1], on_disk
+    got, _ = _engine.fetch(stored, CPU)
+    assert all(torch.equal(g, torch.full((MiB // 4,), float(i))) for i, g in enumerate(got))
+
+
+def test_no_disk_dir_nothing_goes_to_disk(engine_config):
+    engine_config(backend="host", pinned_limit="1MiB", host_limit=0)
+    stored = _engine.store([torch.randn(MiB)], CPU)
+    assert not _engine.is_disk_tensor(stored[0])
+    s = offcache.stats()
+    assert s["disk_bytes"] == 0 and s["disk_write_bytes"] == 0 and s["pageable_bytes"] > 0
+
+
+def test_disk_dir_must_exist(engine_config, tmp_path):
+    with pytest.raises(ValueError, match="not a folder"):
+        engine_config(disk_dir=tmp_path / "missing")
+
+
+def test_env_configures_the_disk_tier(disk_dir):
+    code = "import offcache, torch; from offcache import _engine as e; " \
+           "t = e.store([torch.ones(10)], torch.device('cpu'))[0]; " \
+           "print(e.is_disk_tensor(t), offcache.stats()['host_limit_bytes'])"  # fmt: skip
+    env = dict(os.environ, OFFCACHE_BACKEND="host", OFFCACHE_DISK_DIR=str(disk_dir), OFFCACHE_HOST_LIMIT="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "0"]
+
+
+def test_tmpfs_without_direct_io_falls_back(engine_config, tmp_path):
+    shm = "/dev/shm"
+    if not os.path.isdir(shm) or not os.access(shm, os.W_OK):
+        pytest.skip("no writable /dev/shm")
+    engine_config(backend="host", host_limit=0, disk_dir=shm)
+    src = values(2)
+    got, _ = _engine.fetch(_engine.store(src, CPU), CPU)
+    assert all(torch.equal(a, b) for a, b in zip(src, got))
+
+
+CHILD_WRITER = """
+import sys, torch, offcache
+from offcache import _engine
+offcache.configure(backend="host", host_limit=0, disk_dir=sys.argv[1])
+keep = []
+print("go", flush=True)
+while True:
+    keep.append(_engine.store([torch.randn(4 << 20)], torch.device("cpu"))[0])
+    if len(keep) > 8:
+        keep.pop(0)
+"""
+
+
+def test_kill_9_mid_write_leaves_no_files(disk_dir):
+    env = dict(os.environ, OFFCACHE_BACKEND="host")
+    p = subprocess.Popen([sys.executable, "-c", CHILD_WRITER, str(disk_dir)], stdout=subprocess.PIPE, env=env)
+    try:
+        assert p.stdout.readline().strip() == b"go"
+        time.sleep(1.0)
+        assert p.poll() is None
+        assert os.listdir(disk_dir) == []  # nothing has a name even while it runs
+        p.send_signal(signal.SIGKILL)
+        p.wait(30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == -signal.SIGKILL
+    assert os.listdir(disk_dir) == []
+
+
+CHILD_FULL = """
+import resource, signal, sys, torch, offcache
+from offcache import _engine
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a killed process
+resource.setrlimit(resource.RLIMIT_FSIZE, (48 << 20, 48 << 20))
+offcache.configure(backend="host", host_limit=0, disk_dir=sys.argv[1])
+cpu = torch.device("cpu")
+small = [torch.randn(1000) for _ in range(10)]
+kept = _engine.store(small, cpu) + _engine.store([torch.randn(40 << 18)], cpu)  # 40 MiB file
+src = small + [None]
+try:
+    _engine.store([torch.randn(60 << 18)], cpu)  # a 60 MiB file: over RLIMIT_FSIZE
+except RuntimeError as e:
+    print("ERROR", e)
+got, _ = _engine.fetch(kept, cpu)
+print("INTACT", all(torch.equal(a, b) for a, b in zip(small, got)) and got[-1].numel() == 40 << 18)
+print("DISK", all(_engine.is_disk_tensor(t) for t in kept))
+"""
+
+
+def test_disk_full_is_a_clear_error_and_loses_nothing(disk_dir):
+    env = dict(os.environ, OFFCACHE_BACKEND="host")
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD_FULL, str(disk_dir)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    assert str(disk_dir) in lines["ERROR"] and "bytes" in lines["ERROR"] and "File too large" in lines["ERROR"]
+    assert lines["INTACT"] == "True" and lines["DISK"] == "True"
+    assert os.listdir(disk_dir) == []
+
+
+def test_session_disk_dir_is_clean():
+    # The 4th engine configuration's folder: never any file in it.
+    assert os.listdir(DISK_DIR) == []
+
+
+@pytest.mark.slow
+def test_llmcompressor_oneshot_bit_identical_through_disk(engine_config, disk_dir, tmp_path_factory):
+    pytest.importorskip("llmcompressor")
+    from offcache.bench.models import save_llama
+    from tests.test_llmcompressor_oneshot import quantize
+
+    model_dir = save_llama(
+        tmp_path_factory.mktemp("tiny-llama"), vocab_size=96, hidden_size=128, intermediate_size=256,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        offcache.unpatch_llmcompressor()
+        reference = quantize(model_dir, True)
+        engine_config(host_limit=0, disk_dir=disk_dir)
+        offcache.patch_llmcompressor()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", offcache.SpillWarning)
+            ours = quantize(model_dir, True)
+        s = offcache.stats()
+        assert s["disk_write_bytes"] > 0 and s["disk_read_bytes"] > 0, "the disk tier was not used"
+    finally:
+        offcache.unpatch_llmcompressor()
+        torch.set_num_threads(threads)
+    assert reference.keys() == ours.keys()
+    for k in reference:
+        assert torch.equal(reference[k], ours[k]), f"{k} differs"
+    assert os.listdir(disk_dir) == []
+
+
+def test_bench_disk_tiny(tmp_path, monkeypatch):
+    from offcache.bench.__main__ import main
+    from offcache.bench.common import load_results
+
+    monkeypatch.setenv("OFFCACHE_BENCH_DISK_DIR", str(tmp_path))
+    assert main(["disk", "--tiny", "--out", str(tmp_path / "out")]) == 0
+    r = load_results(tmp_path / "out" / "results.json")["disk"]
+    assert {x["direction"] for x in r["throughput"]} == {"store", "fetch"}
+    assert all(x["offcache_gbps"] > 0 and x["raw_gbps"] > 0 for x in r["throughput"])
+    assert {"iter", "iter_prefetch", "in_memory", "hidden_fraction"} <= set(r["pipeline"])
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # bench folders removed
+
+
+def test_default_host_limit_is_shared_among_local_ranks(engine_config, disk_dir, monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.delenv("OFFCACHE_HOST_LIMIT", raising=False)
+    engine_config(backend="host", disk_dir=disk_dir)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert offcache.stats()["host_limit_bytes"] == int(ram * 0.75) // 4
+
+
+def test_values_of_a_replaced_engine_still_fetch(engine_config, disk_dir, tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    engine_config(backend="host", host_limit=0, disk_dir=disk_dir)
+    src = values(3)
+    stored = _engine.store(src, CPU)
+    engine_config(backend="host", host_limit=0, disk_dir=other)  # a new engine with its own files
+    got, _ = _engine.fetch(stored, CPU)
+    assert all(torch.equal(a, b) for a, b in zip(src, got))
+    engine_config(backend="host")  # and one with no disk tier
+    got, _ = _engine.fetch(stored, CPU)
+    assert all(torch.equal(a, b) for a, b in zip(src, got))
