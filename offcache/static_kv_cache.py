@@ -54,7 +54,26 @@ class _Buffers:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
 
-class _StaticOffloaded:
+class _Unsupported:
+    """Cropping, beam search and batch reordering: a clear error (layers and the cache alike)."""
+
+    def _unsupported(self, what: str):
+        raise NotImplementedError(f"OffloadedStaticKVCache does not support {what}")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self._unsupported("cropping (assisted decoding)")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._unsupported("beam search (reorder_cache)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._unsupported("batch expansion")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._unsupported("batch selection")
+
+
+class _StaticOffloaded(_Unsupported):
     """Arena-backed full-size K/V, a share of two device buffers, and an in-flight prefetch."""
 
     def _init_offload(self, buffers: dict) -> None:
@@ -143,21 +162,6 @@ class _StaticOffloaded:
             self._prefetched[2].wait()
             self._prefetched = None
 
-    def _unsupported(self, what: str):
-        raise NotImplementedError(f"OffloadedStaticKVCache does not support {what}")
-
-    def crop(self, tokens_to_remove: int) -> None:
-        self._unsupported("cropping (assisted decoding)")
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._unsupported("beam search (reorder_cache)")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._unsupported("batch expansion")
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._unsupported("batch selection")
-
 
 class OffloadedStaticLayer(_StaticOffloaded, StaticLayer):
     """A full-attention static layer whose K/V live in the pinned arena between uses."""
@@ -223,7 +227,7 @@ class OffloadedStaticSlidingLayer(_StaticOffloaded, StaticSlidingWindowLayer):
         self.cumulative_length.zero_()
 
 
-class OffloadedStaticKVCache(StaticCache):
+class OffloadedStaticKVCache(_Unsupported, StaticCache):
     """A ``StaticCache`` whose full-attention layers keep their K/V in offcache's pinned arena.
 
     Usage: ``model.generate(**inputs, past_key_values=OffloadedStaticKVCache(config=model.config,
@@ -277,18 +281,3 @@ class OffloadedStaticKVCache(StaticCache):
     def device_buffer_bytes(self) -> int:
         """Bytes of the device buffers the offloaded layers share (2 layers per shape)."""
         return sum(b.nbytes() for b in self._buffers.values())
-
-    def _unsupported(self, what: str):
-        raise NotImplementedError(f"OffloadedStaticKVCache does not support {what}")
-
-    def crop(self, tokens_to_remove: int) -> None:
-        self._unsupported("cropping (assisted decoding)")
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._unsupported("beam search (reorder_cache)")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._unsupported("batch expansion")
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._unsupported("batch selection")
