@@ -29,11 +29,19 @@ Ticket ticket_for(EventPtr event, const c10::Device& device) {
   return Ticket{std::move(event), device.is_cpu() ? -1 : device.index()};
 }
 
+// Every call that uses an engine releases the GIL first: a thread holding an
+// engine lock may need the GIL (a tensor with a Python object dying), so one
+// holding the GIL must never wait for an engine lock.
 py::dict stats_dict() {
   offcache::EngineStats s;
+  bool pinned;
+  std::pair<size_t, size_t> retired;
   {
     py::gil_scoped_release release;
-    s = offcache::EngineUse()->stats();
+    offcache::EngineUse use;
+    s = use->stats();
+    pinned = use->arena_pinned();
+    retired = offcache::retired_engines();
   }
   py::dict d;
 #define OFFCACHE_FIELD(name) d[#name] = s.name
@@ -82,10 +90,9 @@ py::dict stats_dict() {
   OFFCACHE_FIELD(disk_read_seconds);
   OFFCACHE_FIELD(disk_fallbacks);
 #undef OFFCACHE_FIELD
-  d["pinned"] = offcache::EngineUse()->arena_pinned();
-  auto [retired, retired_bytes] = offcache::retired_engines();
-  d["retired_engines"] = retired;
-  d["retired_reserved_bytes"] = retired_bytes;
+  d["pinned"] = pinned;
+  d["retired_engines"] = retired.first;
+  d["retired_reserved_bytes"] = retired.second;
   return d;
 }
 
@@ -136,6 +143,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "Copy srcs[i] into the existing dsts[i] on the copy streams. Returns a ticket.");
   m.def(
       "set_timing", [](bool on) { offcache::EngineUse()->set_timing(on); }, py::arg("on"),
+      py::call_guard<py::gil_scoped_release>(),
       "Time every copy batch (d2h_seconds / h2d_seconds in stats) with timed events.");
   m.def(
       "synchronize", [] { offcache::synchronize_all(); }, py::call_guard<py::gil_scoped_release>());
@@ -170,13 +178,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stats", &stats_dict);
   m.def("_fail_next_copy", &offcache::HostCopyStream::fail_next_copy,
         "Tests: the next host copy call queues its copies, then raises.");
-  m.def("set_pinned_limit", [](size_t bytes) { offcache::EngineUse()->set_limit(bytes); });
+  m.def(
+      "set_pinned_limit", [](size_t bytes) { offcache::EngineUse()->set_limit(bytes); },
+      py::call_guard<py::gil_scoped_release>());
   m.def(
       "take_spill_notice", [] { return offcache::EngineUse()->take_spill_notice(); },
       py::call_guard<py::gil_scoped_release>());
-  m.def("backend_name", [] { return offcache::EngineUse()->backend().name(); });
-  m.def("is_arena_tensor",
-        [](const at::Tensor& t) { return offcache::EngineUse()->is_arena_tensor(t); });
+  m.def(
+      "backend_name", [] { return offcache::EngineUse()->backend().name(); },
+      py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "is_arena_tensor",
+      [](const at::Tensor& t) { return offcache::EngineUse()->is_arena_tensor(t); },
+      py::call_guard<py::gil_scoped_release>());
   m.def("is_offcache_tensor",
         [](const at::Tensor& t) { return offcache::host_block_of(t) != nullptr; });
   m.def("is_disk_tensor", [](const at::Tensor& t) {

@@ -15,7 +15,8 @@ uint32_t version_of(const at::Tensor& t) {
 
 }  // namespace
 
-std::optional<at::Tensor> DedupTable::find(const at::Tensor& source, c10::Device target) {
+std::optional<at::Tensor> DedupTable::find(const at::Tensor& source, c10::Device target,
+                                           std::vector<at::Tensor>& dropped) {
   if (!trackable(source)) return std::nullopt;
   auto it = entries_.find(source.unsafeGetTensorImpl());
   if (it == entries_.end()) return std::nullopt;
@@ -26,7 +27,10 @@ std::optional<at::Tensor> DedupTable::find(const at::Tensor& source, c10::Device
   auto stored = e.stored.lock();
   if (!stored) return std::nullopt;
   at::Tensor copy(std::move(stored));
-  if (version_of(copy) != e.stored_version) return std::nullopt;  // the stored copy was edited
+  if (version_of(copy) != e.stored_version) {  // the stored copy was edited
+    dropped.push_back(std::move(copy));
+    return std::nullopt;
+  }
   return copy;
 }
 

@@ -18,7 +18,10 @@ namespace offcache {
 
 class DedupTable {
  public:
-  std::optional<at::Tensor> find(const at::Tensor& source, c10::Device target);
+  // A rejected candidate goes to `dropped`: the caller destroys it unlocked
+  // (a tensor's destructor may need the GIL).
+  std::optional<at::Tensor> find(const at::Tensor& source, c10::Device target,
+                                 std::vector<at::Tensor>& dropped);
   void insert(const at::Tensor& source, const at::Tensor& stored, c10::Device target);
   size_t size() const { return entries_.size(); }
 

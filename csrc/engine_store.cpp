@@ -20,6 +20,8 @@ std::vector<at::Tensor> Engine::store(const std::vector<at::Tensor>& values, c10
     check_storable(v);
     backend_->resolve_device(v.device());
   }
+  // Dedup candidates rejected under the lock die after it (see DedupTable::find).
+  std::vector<at::Tensor> dropped;
   {
     // A CPU dedup candidate is compared byte for byte with its stored copy,
     // which must be written first: wait (unlocked) for copies still writing one.
@@ -28,8 +30,9 @@ std::vector<at::Tensor> Engine::store(const std::vector<at::Tensor>& values, c10
       auto l = lock();
       for (const auto& v : values) {
         if (!v.device().is_cpu()) continue;
-        if (auto hit = dedup_.find(v, target)) {
+        if (auto hit = dedup_.find(v, target, dropped)) {
           if (EventPtr e = pending_write_of(*hit)) writes.push_back(std::move(e));
+          dropped.push_back(std::move(*hit));
         }
       }
     }
@@ -44,10 +47,14 @@ std::vector<at::Tensor> Engine::store(const std::vector<at::Tensor>& values, c10
     ++stats_.stores;
     for (size_t i = 0; i < values.size(); ++i) {
       const at::Tensor& v = values[i];
-      if (auto hit = dedup_.find(v, target); hit && same_bytes(v, *hit)) {
+      auto hit = dedup_.find(v, target, dropped);
+      if (hit && same_bytes(v, *hit)) {
         out[i] = std::move(*hit);
         ++stats_.dedup_hits;
-      } else if (auto it = first.find(v.unsafeGetTensorImpl()); it != first.end()) {
+        continue;
+      }
+      if (hit) dropped.push_back(std::move(*hit));
+      if (auto it = first.find(v.unsafeGetTensorImpl()); it != first.end()) {
         repeats.emplace_back(i, it->second);
         ++stats_.dedup_hits;
       } else {
@@ -97,6 +104,27 @@ struct Item {
   bool fresh;        // `dense` is a private copy: already a snapshot
   size_t offset;     // in its host block
 };
+
+// Copies a group's bytes to `base` (memory on `device`) at their offsets, now
+// in the producer's order: a memcpy by this thread for a CPU producer, one
+// batched kernel on the current stream for a GPU.
+void snapshot_into(char* base, const std::vector<Item>& group, c10::Device device) {
+  if (device.is_cpu()) {
+    for (const Item& it : group)
+      std::memcpy(base + it.offset, it.dense.data_ptr(), it.dense.nbytes());
+    return;
+  }
+  const auto bytes = at::TensorOptions().dtype(at::kByte).device(device);
+  std::vector<at::Tensor> dst, src;
+  for (const Item& it : group) {
+    dst.push_back(at::for_blob(base + it.offset, {static_cast<int64_t>(it.dense.nbytes())})
+                      .options(bytes)
+                      .target_device(device)
+                      .make_tensor());
+    src.push_back(bytes_of(it.dense));
+  }
+  at::_foreach_copy_(dst, src);
+}
 
 }  // namespace
 
@@ -200,15 +228,7 @@ std::vector<at::Tensor> Engine::store_to_host(const std::vector<at::Tensor>& val
       if (hb->disk() && device.is_cpu()) {
         // From the CPU to disk: the copy into the bounce buffer, made now by
         // this thread, is the snapshot; the I/O thread writes it out.
-        std::vector<at::Tensor> dst, src;
-        for (const Item& it : group) {
-          dst.push_back(
-              at::for_blob(dst_base + it.offset, {static_cast<int64_t>(it.dense.nbytes())})
-                  .options(at::TensorOptions().dtype(at::kByte))
-                  .make_tensor());
-          src.push_back(bytes_of(it.dense));
-        }
-        at::_foreach_copy_(dst, src);
+        snapshot_into(dst_base, group, device);
         EventPtr written =
             write_to_disk(hb, std::exchange(bounce, Block{}), dst_base, total, nullptr);
         auto l = lock();
@@ -229,20 +249,7 @@ std::vector<at::Tensor> Engine::store_to_host(const std::vector<at::Tensor>& val
       } else {
         try {
           at::Tensor staging = staging_buffer(total, device);
-          char* base = static_cast<char*>(staging.data_ptr());
-          if (device.is_cpu()) {  // the calling thread is the producer
-            for (const Item& it : group) {
-              std::memcpy(base + it.offset, it.dense.data_ptr(), it.dense.nbytes());
-            }
-          } else {  // one batched kernel on the producer's current stream
-            std::vector<at::Tensor> dst, src;
-            for (const Item& it : group) {
-              dst.push_back(staging.narrow(0, static_cast<int64_t>(it.offset),
-                                           static_cast<int64_t>(it.dense.nbytes())));
-              src.push_back(bytes_of(it.dense));
-            }
-            at::_foreach_copy_(dst, src);
-          }
+          snapshot_into(static_cast<char*>(staging.data_ptr()), group, device);
           keepalive.push_back(std::move(staging));
           auto l = lock();
           stats_.snapshot_bytes += total;
