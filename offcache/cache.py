@@ -127,7 +127,7 @@ class IntermediatesCache:
         sizes: dict[torch.device, int] = defaultdict(int)
         memo: set[int] = set()
         for batch in self.batch_intermediates:
-            for iv in batch.values():
+            for iv in list(batch.values()):
                 count_bytes(iv, sizes, memo)
         return dict(sizes)
 
@@ -139,7 +139,7 @@ class IntermediatesCache:
         batch = self._batch(batch_index)
         leaves = [
             leaf
-            for name, iv in batch.items()
+            for name, iv in list(batch.items())
             if input_names is None or name in input_names
             for leaf in tensor_leaves(iv)
             if leaf._value.device.type == "cpu" and not _engine.is_arena_tensor(leaf._value)
@@ -214,11 +214,12 @@ class IntermediatesCache:
             raise TypeError(f"batch index must be an int, got {batch_index!r}") from None
 
     def _select(self, batch_index: int, input_names: list[str] | None):
-        batch = self._batch(batch_index)
-        if input_names is None:
-            return list(batch.keys()), list(batch.values())
-        names = [k for k in batch if k in input_names]
-        return names, [batch[k] for k in names]
+        # One atomic copy of the items (list() of a dict view runs under the GIL): another
+        # thread may update or delete names in this batch meanwhile.
+        items = list(self._batch(batch_index).items())
+        if input_names is not None:
+            items = [(k, iv) for k, iv in items if k in input_names]
+        return [k for k, _ in items], [iv for _, iv in items]
 
     def _offload_many(self, values: dict[str, Any], onload: torch.device | None, batch_index: int):
         leaves: list[IntermediateValue] = []
