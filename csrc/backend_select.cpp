@@ -88,11 +88,6 @@ Engine& global_engine_locked() {
 
 }  // namespace
 
-Engine& global_engine() {
-  std::lock_guard<std::mutex> lock(g_mu);
-  return global_engine_locked();
-}
-
 EngineUse::EngineUse() {
   std::lock_guard<std::mutex> lock(g_mu);  // configure() retires under g_mu: enter first
   engine_ = &global_engine_locked();

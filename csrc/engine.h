@@ -131,7 +131,6 @@ class Engine {
   // This engine was replaced (configure()): it is deleted as soon as no block
   // of its remains. Returns true if it may be deleted now.
   bool retire();
-  size_t live_blocks() const { return live_blocks_.load(); }
   // A call is using the engine (EngineUse): a retired engine is not deleted
   // under it. leave() deletes it if it was the last reason to live.
   void enter() { ++active_; }
@@ -226,10 +225,9 @@ class Engine {
   std::unique_ptr<HostStream> io_;
 };
 
-// The process-wide engine, created on first use with the configured backend.
-Engine& global_engine();
-// The process-wide engine for the length of one call: configure() on another
-// thread retires it but cannot delete it meanwhile.
+// The process-wide engine (created on first use with the configured backend),
+// held for the length of one call: configure() on another thread retires it
+// but cannot delete it meanwhile.
 class EngineUse {
  public:
   EngineUse();
