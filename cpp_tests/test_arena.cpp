@@ -233,5 +233,31 @@ TEST(Arena, RandomisedAgainstModel) {
   EXPECT_EQ(src.live, 0);
 }
 
+// After fork both processes map the same disk files: neither may place a new
+// block in them, and each gives a chunk back once its own last block is freed.
+TEST(Arena, SealedChunksTakeNoNewBlocksAndGoWhenEmpty) {
+  CountingSource src;
+  Arena arena(src, fixed(1 << 20));
+  auto a = arena.allocate(1000);
+  auto b = arena.allocate(1000);
+  ASSERT_TRUE(a && b);
+  EXPECT_EQ(src.live, 1);
+  arena.seal_all();
+  auto c = arena.allocate(1000);  // not in the sealed chunk's free space
+  ASSERT_TRUE(c);
+  EXPECT_NE(c->chunk, a->chunk);
+  EXPECT_EQ(src.live, 2);
+  arena.free(*a);
+  auto d = arena.allocate(1000);  // a's space is not reused either
+  ASSERT_TRUE(d);
+  EXPECT_NE(d->ptr, a->ptr);
+  EXPECT_EQ(d->chunk, c->chunk);
+  arena.free(*b);  // the sealed chunk's last block: the chunk goes back
+  EXPECT_EQ(src.live, 1);
+  EXPECT_EQ(arena.in_use_bytes(), c->size + d->size);
+  arena.free(*c);
+  arena.free(*d);
+}
+
 }  // namespace
 }  // namespace offcache

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -124,6 +125,38 @@ TEST(DeferredFrees, BlockReusedOnlyAfterFences) {
   EXPECT_EQ(pending.reclaim(release), 1u);
   EXPECT_EQ(arena.in_use_bytes(), 0u);
   EXPECT_EQ(pending.size(), 0u);
+}
+
+// A failing task (a CUDA event wait that throws on a sticky error, say) must
+// not end the process: later tasks are skipped, later events complete, and
+// the error is kept for the engine to raise.
+TEST(HostStream, ThrowingTaskIsReportedNotFatal) {
+  HostStream s;
+  std::atomic<int> ran{0};
+  s.submit([] { throw std::runtime_error("cudaEventSynchronize failed: sticky"); });
+  s.submit([&] { ++ran; });
+  auto e = s.record();
+  e->wait();
+  EXPECT_TRUE(e->query());
+  EXPECT_EQ(ran.load(), 0);
+  EXPECT_EQ(s.error(), "cudaEventSynchronize failed: sticky");
+  s.synchronize();                                              // still completes
+  EXPECT_EQ(s.error(), "cudaEventSynchronize failed: sticky");  // sticky
+}
+
+class ThrowingEvent final : public Event {
+ public:
+  bool query() override { return false; }
+  void wait() override { throw std::runtime_error("event wait failed"); }
+  double elapsed_ms_since(Event&) override { return 0; }
+};
+
+TEST(HostStream, WaitOnAFailingEventCompletesLaterEvents) {
+  HostStream s;
+  s.wait_event(std::make_shared<ThrowingEvent>());
+  auto e = s.record();
+  e->wait();
+  EXPECT_EQ(s.error(), "event wait failed");
 }
 
 }  // namespace

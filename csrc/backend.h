@@ -42,7 +42,8 @@ struct Counters {
   std::atomic<uint64_t> copy_calls{0};    // cudaMemcpyAsync calls, or memcpy calls
   std::atomic<uint64_t> host_callbacks{0};
   std::atomic<uint64_t> pinned_registrations{0};
-  std::atomic<uint64_t> syncs{0};  // the host blocked on an event
+  std::atomic<uint64_t> syncs{0};          // the host blocked on an event
+  std::atomic<uint64_t> event_queries{0};  // the engine asked whether an event completed
 };
 
 // A copy stream: work submitted to it runs in order.
@@ -96,6 +97,13 @@ class Backend {
   virtual bool in_owner_process() const { return true; }
   // Raises the fork error where in_owner_process() is false.
   virtual void check_process() const {}
+  // The first error a host copy-stream task threw ("" if none).
+  virtual std::string stream_error() = 0;
+  // Whether `event` completed, counted (cudaEventQuery on CUDA).
+  bool query(const EventPtr& event) {
+    ++counters.event_queries;
+    return event->query();
+  }
   // Host waits for `event`, counted.
   void sync(const EventPtr& event) {
     ++counters.syncs;  // the one place a host wait is counted

@@ -8,9 +8,12 @@
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <pthread.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <array>
+#include <atomic>
 #include <mutex>
 #include <set>
 #include <utility>
@@ -195,6 +198,31 @@ class CudaCopyStream final : public CopyStream {
   cudaStream_t stream_ = nullptr;
 };
 
+// Fork. A child cannot use the parent's CUDA context, events or registrations,
+// and its pinned pages are wiped (MADV_WIPEONFORK): reading a stored tensor
+// there would silently give zeros. So the child's copies of every pinned chunk
+// become PROT_NONE (a read faults), and every CUDA backend learns it is in a
+// child from a generation counter (no getpid() per call).
+std::mutex g_pinned_mu;
+std::set<std::pair<void*, size_t>>& pinned_chunks() {
+  static auto* chunks = new std::set<std::pair<void*, size_t>>();  // never destroyed: atfork
+  return *chunks;
+}
+std::atomic<uint64_t> g_fork_generation{0};
+
+void pinned_before_fork() { g_pinned_mu.lock(); }
+void pinned_after_fork_parent() { g_pinned_mu.unlock(); }
+void pinned_after_fork_child() {
+  for (const auto& [ptr, bytes] : pinned_chunks()) (void)mprotect(ptr, bytes, PROT_NONE);
+  g_fork_generation.fetch_add(1);
+  g_pinned_mu.unlock();
+}
+// Registered when the library loads, before any engine or host stream: its
+// prepare handler then runs last, after the streams drained and the engines'
+// locks were taken (a release holds an engine lock, then g_pinned_mu).
+const int g_fork_handlers =
+    pthread_atfork(&pinned_before_fork, &pinned_after_fork_parent, &pinned_after_fork_child);
+
 // Pinned chunks: page-touched anonymous memory registered with the driver,
 // much cheaper per GiB than cudaHostAlloc. Registration failure (memlock
 // limits) returns nullptr so the engine spills instead of crashing.
@@ -215,9 +243,22 @@ class PinnedSource : public ChunkSource {
       }
       return nullptr;
     }
+    try {
+      std::lock_guard<std::mutex> lock(g_pinned_mu);
+      pinned_chunks().emplace(p, bytes);
+    } catch (const std::exception&) {  // no memory for the entry: no chunk either
+      (void)cudaHostUnregister(p);
+      pages_.release(p, bytes);
+      if (error) *error = "out of memory registering a pinned chunk";
+      return nullptr;
+    }
     return p;
   }
   void release(void* ptr, size_t bytes) noexcept override {
+    {
+      std::lock_guard<std::mutex> lock(g_pinned_mu);
+      pinned_chunks().erase({ptr, bytes});
+    }
     if (cudaHostUnregister(ptr) != cudaSuccess) (void)cudaGetLastError();
     pages_.release(ptr, bytes);
   }
@@ -234,7 +275,9 @@ class CudaBackend : public Backend {
       : host_d2h_(counters, host_copy_delay_us),
         host_h2d_(counters, host_copy_delay_us),
         pinned_(counters),
-        owner_pid_(getpid()) {
+        owner_pid_(getpid()),
+        generation_(g_fork_generation.load()) {
+    (void)g_fork_handlers;
     const int n = c10::cuda::device_count();
     for (int d = 0; d < n; ++d) pools_.push_back(std::make_shared<EventPool>(d, shared_counters));
     streams_.resize(n);
@@ -243,7 +286,7 @@ class CudaBackend : public Backend {
   ChunkSource& chunks() override { return pinned_; }
   const ChunkSource& chunks() const override { return pinned_; }
 
-  bool in_owner_process() const override { return getpid() == owner_pid_; }
+  bool in_owner_process() const override { return g_fork_generation.load() == generation_; }
   void check_process() const override {
     TORCH_CHECK(in_owner_process(), "offcache: the CUDA engine was created in process ", owner_pid_,
                 " and cannot be used in a forked child; use the 'spawn' start method, or "
@@ -307,6 +350,11 @@ class CudaBackend : public Backend {
         t.storage().data_ptr(), c10::cuda::getCurrentCUDAStream(consumer.index()));
   }
 
+  std::string stream_error() override {
+    std::string e = host_d2h_.error();
+    return e.empty() ? host_h2d_.error() : e;
+  }
+
   void enable_peer_access(c10::Device from, c10::Device to) override {
     if (!from.is_cuda() || !to.is_cuda() || from == to) return;
     // Through PyTorch, which also tells its caching allocator (needed for
@@ -321,6 +369,7 @@ class CudaBackend : public Backend {
   HostCopyStream host_h2d_;
   PinnedSource pinned_;
   pid_t owner_pid_;
+  uint64_t generation_;  // g_fork_generation when made: another value means a forked child
   std::mutex mu_;
   std::vector<std::shared_ptr<EventPool>> pools_;
   std::vector<std::array<std::unique_ptr<CudaCopyStream>, 2>> streams_;

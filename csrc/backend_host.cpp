@@ -5,14 +5,17 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <stdexcept>
 #include <thread>
 
 namespace offcache {
 namespace {
 std::atomic<int> g_fail_copies{0};
+std::atomic<int> g_fail_tasks{0};
 }  // namespace
 
 void HostCopyStream::fail_next_copy() { ++g_fail_copies; }
+void HostCopyStream::fail_next_task() { ++g_fail_tasks; }
 
 void HostCopyStream::wait(const EventPtr& event) {
   if (event == nullptr || event->query()) return;
@@ -24,6 +27,9 @@ void HostCopyStream::copy(const std::vector<CopyOp>& ops) {
   counters_.copy_calls += ops.size();
   // One task for the whole batch: the host analogue of a batch of copy calls.
   stream_.submit([ops, delay = copy_delay_us_] {
+    if (g_fail_tasks.load() > 0 && g_fail_tasks.fetch_sub(1) > 0) {
+      throw std::runtime_error("injected copy-task failure (tests)");
+    }
     for (const auto& op : ops) {
       if (delay > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay));
       for (size_t r = 0; r < op.rows; ++r) {
@@ -73,6 +79,11 @@ EventPtr HostBackend::record_current(c10::Device) {
 void HostBackend::current_wait(c10::Device, const EventPtr& event) {
   if (event == nullptr || event->query()) return;
   sync(event);
+}
+
+std::string HostBackend::stream_error() {
+  std::string e = d2h_.error();
+  return e.empty() ? h2d_.error() : e;
 }
 
 CopyStream& HostBackend::copy_stream(Dir dir, c10::Device) {

@@ -23,6 +23,9 @@ class HostCopyStream final : public CopyStream {
   void synchronize_noexcept() noexcept override;
   // Tests: the next copy call queues its copies, then fails (an enqueue error).
   static void fail_next_copy();
+  // Tests: the next copy task fails on the worker (as a CUDA event wait can).
+  static void fail_next_task();
+  std::string error() { return stream_.error(); }
 
  private:
   Counters& counters_;
@@ -43,6 +46,7 @@ class HostBackend : public Backend {
   EventPtr trace_origin(c10::Device) override { return HostEvent::completed(); }
   void hand_over(const at::Tensor&, c10::Device) override {}
   void enable_peer_access(c10::Device, c10::Device) override {}
+  std::string stream_error() override;
 
  private:
   PageSource source_;

@@ -136,7 +136,10 @@ void configure_global_engine(const std::string& backend, size_t pinned_limit, si
   }
   if (old == nullptr) return;
   // The old engine serves the tensors it still owns, then goes.
-  old->empty_cache();
+  try {
+    old->empty_cache();
+  } catch (const std::exception&) {  // its stream failed (raised to its users): it retires anyway
+  }
   bool now;
   {
     std::lock_guard<std::mutex> lock(g_mu);
@@ -149,7 +152,12 @@ void configure_global_engine(const std::string& backend, size_t pinned_limit, si
 void delete_retired(Engine* engine) {
   {
     std::lock_guard<std::mutex> lock(g_mu);
-    g_retired.erase(std::remove(g_retired.begin(), g_retired.end(), engine), g_retired.end());
+    // The caller saw the engine idle under its lock, but synchronize_all() may
+    // have entered it since (its leave() deletes it then), or another caller
+    // deleted it already: only a listed engine idle now, under g_mu, goes.
+    auto it = std::find(g_retired.begin(), g_retired.end(), engine);
+    if (it == g_retired.end() || !engine->idle()) return;
+    g_retired.erase(it);
   }
   // Off the calling thread: it may be one of the engine's own copy-stream
   // workers (a tensor dying in a task), which the destructor joins.
@@ -158,8 +166,10 @@ void delete_retired(Engine* engine) {
 
 void synchronize_all() {
   std::vector<Engine*> engines;
+  Engine* current;
   {
     std::lock_guard<std::mutex> lock(g_mu);
+    current = g_engine;
     if (g_engine) engines.push_back(g_engine);
     engines.insert(engines.end(), g_retired.begin(), g_retired.end());
     for (Engine* e : engines) e->enter();  // none is deleted while we wait on it
@@ -170,7 +180,8 @@ void synchronize_all() {
       for (Engine* e : engines) e->leave();
     }
   } leave{engines};
-  for (Engine* e : engines) e->synchronize();
+  // A retired engine's stream error was the current engine's once: raised then.
+  for (Engine* e : engines) e->synchronize(/*check=*/e == current);
 }
 
 std::pair<size_t, size_t> retired_engines() {

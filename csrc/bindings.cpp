@@ -68,6 +68,7 @@ py::dict stats_dict() {
   OFFCACHE_FIELD(dedup_entries);
   OFFCACHE_FIELD(snapshot_bytes);
   OFFCACHE_FIELD(snapshot_fallbacks);
+  OFFCACHE_FIELD(snapshot_oom_skips);
   OFFCACHE_FIELD(chunk_bytes);
   OFFCACHE_FIELD(chunk_seconds);
   OFFCACHE_FIELD(lock_waits_over_1ms);
@@ -79,6 +80,7 @@ py::dict stats_dict() {
   OFFCACHE_FIELD(host_callbacks);
   OFFCACHE_FIELD(pinned_registrations);
   OFFCACHE_FIELD(syncs);
+  OFFCACHE_FIELD(event_queries);
   OFFCACHE_FIELD(host_limit_bytes);
   OFFCACHE_FIELD(disk_bytes);
   OFFCACHE_FIELD(disk_reserved_bytes);
@@ -89,6 +91,8 @@ py::dict stats_dict() {
   OFFCACHE_FIELD(disk_write_seconds);
   OFFCACHE_FIELD(disk_read_seconds);
   OFFCACHE_FIELD(disk_fallbacks);
+  OFFCACHE_FIELD(bounce_reserved_bytes);
+  OFFCACHE_FIELD(bounce_pageable);
 #undef OFFCACHE_FIELD
   d["pinned"] = pinned;
   d["retired_engines"] = retired.first;
@@ -100,6 +104,8 @@ py::dict stats_dict() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "offcache engine: pinned host arena, dedup table and copy streams";
+
+  py::register_exception<offcache::HostLimitError>(m, "HostLimitError", PyExc_MemoryError);
 
   py::class_<Ticket>(m, "Ticket")
       .def("wait", &Ticket::wait, py::call_guard<py::gil_scoped_release>(),
@@ -132,9 +138,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         offcache::EngineUse use;  // held for the whole call
         auto& engine = *use;
         EventPtr done = engine.copy_into(dsts, srcs, wait);
+        // The ticket orders a GPU's current stream: a destination's (H2D), else
+        // a source's (D2H: later work may overwrite the source). The host side
+        // of a D2H is read after wait_stored() (its block records the copy).
         c10::Device consumer(c10::kCPU);
         for (const auto& d : dsts) {
           if (!d.device().is_cpu()) consumer = engine.backend().resolve_device(d.device());
+        }
+        for (size_t i = 0; consumer.is_cpu() && i < srcs.size(); ++i) {
+          if (!srcs[i].device().is_cpu())
+            consumer = engine.backend().resolve_device(srcs[i].device());
         }
         return ticket_for(std::move(done), consumer);
       },
@@ -178,6 +191,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stats", &stats_dict);
   m.def("_fail_next_copy", &offcache::HostCopyStream::fail_next_copy,
         "Tests: the next host copy call queues its copies, then raises.");
+  m.def("_fail_next_task", &offcache::HostCopyStream::fail_next_task,
+        "Tests: the next host copy task fails on its worker thread.");
   m.def(
       "set_pinned_limit", [](size_t bytes) { offcache::EngineUse()->set_limit(bytes); },
       py::call_guard<py::gil_scoped_release>());

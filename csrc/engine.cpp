@@ -23,6 +23,11 @@ Engine::Engine(std::unique_ptr<Backend> backend, ArenaOptions arena, size_t max_
     options.min_chunk = kDiskMinChunk;
     options.alignment = kDiskAlign;
     disk_arena_ = std::make_unique<Arena>(*disk_, options);
+    ArenaOptions bounce;
+    bounce.min_chunk = bounce.max_chunk = kBounceChunkBytes;
+    bounce.limit = kBounceArenaBytes;
+    bounce.alignment = kDiskAlign;
+    bounce_arena_ = std::make_unique<Arena>(backend_->chunks(), bounce);
   }
 }
 
@@ -30,7 +35,7 @@ Engine::~Engine() {
   // Only a retired engine with no live block is deleted: wait for its copies,
   // then the arena gives its chunks back and the copy streams stop.
   try {
-    synchronize();
+    synchronize(/*check=*/false);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "offcache: retiring an engine: %s\n", e.what());
   }
@@ -44,6 +49,19 @@ std::unique_lock<std::mutex> Engine::lock() {
   l.lock();
   if (std::chrono::steady_clock::now() - t0 > std::chrono::milliseconds(1)) ++lock_waits_over_1ms_;
   return l;
+}
+
+void Engine::check_streams() {
+  std::string e = backend_->stream_error();
+  HostStream* io;
+  {
+    auto l = lock();
+    io = io_.get();
+  }
+  if (e.empty() && io) e = io->error();
+  TORCH_CHECK(e.empty(), "offcache: a copy on one of the engine's streams failed: ", e,
+              ". The copies queued after it were skipped, so values stored or fetched since are "
+              "incomplete; offcache.configure() starts a new engine");
 }
 
 bool Engine::is_arena_tensor(const at::Tensor& t) const {
@@ -62,6 +80,10 @@ void Engine::free_block(const Block& block) {
     } else {
       pageable_.release(block.ptr, block.size);
     }
+  } else if (from_bounce_arena(block)) {
+    Block b = block;
+    b.chunk &= ~kBounceArenaBit;
+    bounce_arena_->free(b);
   } else if (on_disk(block)) {
     Block b = block;
     b.chunk &= ~kDiskChunkBit;
@@ -116,18 +138,44 @@ bool Engine::retire() {
   return live_blocks_.load() == 0 && active_.load() == 0;
 }
 
-void Engine::leave() {
+void Engine::leave() noexcept {
   bool delete_now;
   {
     std::lock_guard<std::mutex> guard(mu_);
     delete_now = --active_ == 0 && retired_ && live_blocks_.load() == 0;
   }
-  if (delete_now) delete_retired(this);
+  if (!delete_now) return;
+  try {
+    delete_retired(this);
+  } catch (...) {  // no thread to be had: the engine stays (a leak, not a crash)
+  }
+}
+
+bool Engine::idle() {
+  std::lock_guard<std::mutex> guard(mu_);
+  return retired_ && live_blocks_.load() == 0 && active_.load() == 0;
 }
 
 HostBlock* Engine::allocate_host(size_t bytes, bool allow_spill, bool staging) {
   std::string why;
   std::optional<Block> block;
+  if (!disk_ && allow_spill && !staging) {
+    // No disk tier: the host limit still holds (a run is refused, not killed).
+    auto l = lock();
+    reclaim_locked();
+    const size_t held = arena_.in_use_bytes() + stats_.pageable_bytes - staging_bytes_;
+    const size_t limit = disk_options_.host_limit;
+    if (held + bytes > limit || held + bytes < held) {
+      throw HostLimitError(
+          "offcache: storing " + std::to_string(bytes) +
+          " more bytes would take host memory past "
+          "the host limit of " +
+          std::to_string(limit) + " bytes (" + std::to_string(held) +
+          " in use, pinned + pageable); values stored earlier are intact. Raise "
+          "OFFCACHE_HOST_LIMIT, or set OFFCACHE_DISK_DIR to a folder on local disk for the values "
+          "past it");
+    }
+  }
   if (disk_ && allow_spill && !staging) {  // a snapshot's staging never goes to disk
     // Placement: first come stays in memory. Past the host limit, new values
     // go to disk; nothing moves between tiers later.
@@ -149,10 +197,14 @@ HostBlock* Engine::allocate_host(size_t bytes, bool allow_spill, bool staging) {
       reclaim_locked();
       block = arena_.allocate_existing(bytes);
       if (block) break;
-      // Memory waiting on copies counts as available: wait (unlocked) for the
+      // Within the budget the arena grows: the host never waits for a copy
+      // while it could run ahead. Past it, memory waiting on copies counts as
+      // available when it could hold the request: wait (unlocked) for the
       // oldest pending block's copies, then try again.
-      oldest = deferred_.oldest_fence();
-      if (!oldest) chunk = arena_.begin_chunk(bytes, &why);
+      chunk = arena_.begin_chunk(bytes, &why);
+      if (chunk == 0 && deferred_.bytes() >= arena_.round_up(bytes)) {
+        oldest = deferred_.oldest_fence();
+      }
     }
     if (oldest) {
       backend_->sync(oldest);
@@ -219,8 +271,15 @@ void Engine::set_timing(bool on) {
 
 std::vector<Engine::InFlight> Engine::reap_locked() {
   std::vector<InFlight> done;
+  // A stream's copies complete in order: each stream is queried up to its
+  // first copy still running, not every entry on every call.
+  std::vector<const void*> busy;
   for (auto it = in_flight_.begin(); it != in_flight_.end();) {
-    if (it->done->query()) {
+    if (std::find(busy.begin(), busy.end(), it->stream) != busy.end()) {
+      ++it;
+      continue;
+    }
+    if (backend_->query(it->done)) {
       const double seconds = it->start ? it->done->elapsed_ms_since(*it->start) / 1000.0 : 0.0;
       (it->dir == Dir::kStore ? stats_.d2h_seconds : stats_.h2d_seconds) += seconds;
       if (trace_origin_ && it->start) {
@@ -228,9 +287,11 @@ std::vector<Engine::InFlight> Engine::reap_locked() {
                                   it->done->elapsed_ms_since(*trace_origin_)});
       }
       stats_.in_flight_bytes -= it->bytes;
+      in_flight_dir_[static_cast<int>(it->dir)] -= it->bytes;
       done.push_back(std::move(*it));
       it = in_flight_.erase(it);
     } else {
+      busy.push_back(it->stream);
       ++it;
     }
   }
@@ -247,17 +308,25 @@ void Engine::note_peaks_locked() {
   if (disk_arena_) s.peak_disk_bytes = std::max(s.peak_disk_bytes, disk_arena_->in_use_bytes());
 }
 
-void Engine::throttle(size_t incoming) {
-  // Bounds bytes in flight (and so staging memory): waits for the oldest copy
-  // while the new one would not fit; a transfer larger than the bound goes alone.
+void Engine::throttle(size_t incoming, Dir dir) {
+  // Bounds bytes in flight in one direction (and so staging memory): waits for
+  // that direction's oldest copy while the new one would not fit; a transfer
+  // larger than the bound goes alone. Stores never wait for fetches, nor
+  // fetches for stores: the two directions overlap.
+  const int d = static_cast<int>(dir);
   for (;;) {
     EventPtr oldest;
     std::vector<InFlight> finished;
     {
       auto l = lock();
       finished = reap_locked();
-      if (in_flight_.empty() || stats_.in_flight_bytes + incoming <= max_in_flight_) return;
-      oldest = in_flight_.front().done;
+      if (in_flight_dir_[d] == 0 || in_flight_dir_[d] + incoming <= max_in_flight_) return;
+      for (const InFlight& f : in_flight_) {
+        if (f.dir == dir) {
+          oldest = f.done;
+          break;
+        }
+      }
     }
     finished.clear();  // tensors die outside the lock
     backend_->sync(oldest);
@@ -311,8 +380,9 @@ EventPtr Engine::issue(Dir dir, CopyStream& stream, const std::vector<EventPtr>&
   // Every call reaps: a fetch-only loop (calibration, KV decode) must not keep
   // finished copies' buffers and events alive.
   finished = reap_locked();
-  in_flight_.push_back(InFlight{start, done, bytes, dir, std::move(keepalive)});
+  in_flight_.push_back(InFlight{start, done, bytes, dir, std::move(keepalive), &stream});
   stats_.in_flight_bytes += bytes;
+  in_flight_dir_[static_cast<int>(dir)] += bytes;
   if (dir == Dir::kStore) {
     stats_.d2h_bytes += bytes;
     stats_.d2h_copies += ops.size();
@@ -325,28 +395,77 @@ EventPtr Engine::issue(Dir dir, CopyStream& stream, const std::vector<EventPtr>&
   return done;
 }
 
-EventPtr Engine::pending_write_of(const at::Tensor& t) {
-  EventPtr dep;
+bool Engine::is_complete(const EventPtr& e, QueryMemo* memo) {
+  if (memo && memo->event == e.get()) return memo->done;
+  const bool complete = backend_->query(e);
+  if (memo) *memo = QueryMemo{e.get(), complete};
+  return complete;
+}
+
+EventPtr Engine::pending_write_of(const at::Tensor& t, QueryMemo* memo) {
+  // A write seen complete is forgotten: later lookups cost no query.
   if (HostBlock* hb = host_block_of(t)) {
-    dep = hb->stored;
-  } else if (!t.device().is_cpu() && t.has_storage()) {
-    auto it = device_stores_.find(t.storage().unsafeGetStorageImpl());
-    if (it != device_stores_.end() && !it->second.first.expired()) dep = it->second.second;
+    if (hb->stored && is_complete(hb->stored, memo)) hb->stored.reset();
+    return hb->stored;
   }
-  return dep && dep->query() ? nullptr : dep;
+  if (t.device().is_cpu() || !t.has_storage()) return nullptr;
+  auto it = device_stores_.find(t.storage().unsafeGetStorageImpl());
+  if (it == device_stores_.end()) return nullptr;
+  if (it->second.first.expired() || is_complete(it->second.second, memo)) {
+    device_stores_.erase(it);
+    return nullptr;
+  }
+  return it->second.second;
+}
+
+void Engine::pending_reads_of(const at::Tensor& t, std::vector<EventPtr>* out) {
+  auto it = device_reads_.find(t.storage().unsafeGetStorageImpl());
+  if (it == device_reads_.end()) return;
+  auto& reads = it->second.second;
+  reads.erase(std::remove_if(reads.begin(), reads.end(),
+                             [this](const EventPtr& e) { return backend_->query(e); }),
+              reads.end());
+  out->insert(out->end(), reads.begin(), reads.end());
+}
+
+void Engine::note_device_access(const at::Tensor& t, const EventPtr& done, bool write) {
+  const c10::StorageImpl* key = t.storage().unsafeGetStorageImpl();
+  if (write) {
+    device_stores_.insert_or_assign(key, std::make_pair(t.storage().getWeakStorageImpl(), done));
+  } else {
+    auto it = device_reads_.find(key);
+    if (it == device_reads_.end() || it->second.first.expired()) {
+      device_reads_.insert_or_assign(
+          key, std::make_pair(t.storage().getWeakStorageImpl(), std::vector<EventPtr>{done}));
+    } else {
+      auto& reads = it->second.second;
+      reads.erase(std::remove_if(reads.begin(), reads.end(),
+                                 [this](const EventPtr& e) { return backend_->query(e); }),
+                  reads.end());
+      reads.push_back(done);
+    }
+  }
+  // Entries of dead storages go now and then: amortised O(1) per access.
+  if (++device_notes_ % 64 != 0) return;
+  for (auto it = device_stores_.begin(); it != device_stores_.end();)
+    it = it->second.first.expired() ? device_stores_.erase(it) : std::next(it);
+  for (auto it = device_reads_.begin(); it != device_reads_.end();)
+    it = it->second.first.expired() ? device_reads_.erase(it) : std::next(it);
 }
 
 void Engine::wait_stored(const at::Tensor& t) {
   backend_->check_process();
+  check_streams();
   EventPtr dep;
   {
     auto l = lock();
     dep = pending_write_of(t);
   }
   if (dep) backend_->sync(dep);
+  check_streams();  // the write waited for may have been skipped
 }
 
-void Engine::synchronize() {
+void Engine::synchronize(bool check) {
   backend_->check_process();
   std::vector<EventPtr> events;
   {
@@ -354,7 +473,7 @@ void Engine::synchronize() {
     for (const auto& f : in_flight_) events.push_back(f.done);
   }
   for (auto& e : events) {
-    if (!e->query()) backend_->sync(e);
+    if (!backend_->query(e)) backend_->sync(e);
   }
   std::vector<InFlight> finished;
   auto l = lock();
@@ -362,6 +481,7 @@ void Engine::synchronize() {
   deferred_.wait_all();
   reclaim_locked();
   l.unlock();
+  if (check) check_streams();
 }
 
 void Engine::trace_start(c10::Device device) {
@@ -390,6 +510,7 @@ size_t Engine::empty_cache() {
   auto l = lock();
   // The disk tier's empty files and pooled I/O buffers go too (not counted: not pinned).
   if (disk_arena_) disk_arena_->release_empty_chunks();
+  if (bounce_arena_) bounce_arena_->release_empty_chunks();
   for (const Block& b : bounce_pool_) pageable_.release(b.ptr, b.size);
   bounce_pool_.clear();
   bounce_pool_bytes_ = 0;
@@ -416,11 +537,13 @@ EngineStats Engine::stats() {
   s.host_callbacks = c.host_callbacks;
   s.pinned_registrations = c.pinned_registrations;
   s.syncs = c.syncs;
+  s.event_queries = c.event_queries;
+  s.host_limit_bytes = disk_options_.host_limit;
   if (disk_) {
-    s.host_limit_bytes = disk_options_.host_limit;
     s.disk_bytes = disk_arena_->in_use_bytes();
     s.disk_reserved_bytes = disk_arena_->reserved_bytes();
     s.disk_files = disk_->files();
+    s.bounce_reserved_bytes = bounce_arena_->reserved_bytes();
   }
   s.disk_write_bytes = disk_write_bytes_.load();
   s.disk_read_bytes = disk_read_bytes_.load();

@@ -13,10 +13,12 @@
 #include <ATen/Tensor.h>
 
 #include <atomic>
+#include <chrono>
 #include <deque>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -41,8 +43,9 @@ struct EngineStats {
   size_t dedup_hits = 0, spills = 0, stores = 0, fetches = 0;
   size_t d2h_bytes = 0, h2d_bytes = 0, d2h_copies = 0, h2d_copies = 0;
   size_t snapshot_bytes = 0, snapshot_fallbacks = 0;
-  size_t chunk_bytes = 0;    // arena chunks made (pinned on CUDA)
-  double chunk_seconds = 0;  // time making them: mmap, pre-faulting, registration
+  size_t snapshot_oom_skips = 0;  // stores that skipped staging after a recent device OOM
+  size_t chunk_bytes = 0;         // arena chunks made (pinned on CUDA)
+  double chunk_seconds = 0;       // time making them: mmap, pre-faulting, registration
   double d2h_seconds = 0, h2d_seconds = 0;
   size_t pinned_limit_bytes = 0;
   size_t dedup_entries = 0;
@@ -50,16 +53,25 @@ struct EngineStats {
   size_t leaked_blocks = 0;  // kept forever after a broken CUDA context
   // Backend primitives (backend.h, Counters).
   uint64_t events_created = 0, events_recorded = 0, stream_waits = 0, copy_calls = 0;
-  uint64_t host_callbacks = 0, pinned_registrations = 0, syncs = 0;
+  uint64_t host_callbacks = 0, pinned_registrations = 0, syncs = 0, event_queries = 0;
   // Disk tier (0 without a disk dir).
   size_t host_limit_bytes = 0, disk_bytes = 0, disk_reserved_bytes = 0, peak_disk_bytes = 0;
   size_t disk_files = 0, disk_write_bytes = 0, disk_read_bytes = 0;
   size_t disk_fallbacks = 0;
+  size_t bounce_reserved_bytes = 0;  // the disk tier's pinned I/O buffers, outside the budget
+  size_t bounce_pageable = 0;        // I/O buffers that did not fit them: pageable
   double disk_write_seconds = 0, disk_read_seconds = 0;
 };
 
+// A store would take host memory (pinned + pageable) past the host limit and
+// there is no disk tier to take it: Python's offcache.HostLimitError (a MemoryError).
+struct HostLimitError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 // The disk tier: past `host_limit` bytes of host memory (pinned + pageable),
-// stored values go to files under `dir`. Empty dir: no disk tier.
+// stored values go to files under `dir`. Empty dir: no disk tier, and a store
+// past the limit raises HostLimitError.
 struct DiskOptions {
   std::string dir;
   size_t host_limit = SIZE_MAX;
@@ -100,8 +112,9 @@ class Engine {
   // Blocks the calling thread until the store that produced `t` has completed,
   // so its memory can be read directly.
   void wait_stored(const at::Tensor& t);
-  // Waits for every copy in flight and frees what can be freed.
-  void synchronize();
+  // Waits for every copy in flight and frees what can be freed; then raises
+  // a copy-stream task's error, if one failed (check).
+  void synchronize(bool check = true);
   // synchronize(), then returns every empty arena chunk to the OS; returns bytes released.
   size_t empty_cache();
 
@@ -134,11 +147,19 @@ class Engine {
   // A call is using the engine (EngineUse): a retired engine is not deleted
   // under it. leave() deletes it if it was the last reason to live.
   void enter() { ++active_; }
-  void leave();
+  void leave() noexcept;
+  // Retired, with no live block and no call using it (needs g_mu, takes mu_).
+  bool idle();
 
   // Fork: held across fork() so no engine lock is taken at that moment.
   void lock_for_fork() { mu_.lock(); }
-  void unlock_after_fork() { mu_.unlock(); }
+  // In the parent and in the child: the disk files both now map are sealed,
+  // so neither process writes where the other may read (new values go to new
+  // files of their own; sealed files go once their last value dies).
+  void unlock_after_fork() {
+    if (disk_arena_) disk_arena_->seal_all();
+    mu_.unlock();
+  }
 
  private:
   struct InFlight {
@@ -146,10 +167,23 @@ class Engine {
     size_t bytes;
     Dir dir;
     std::vector<at::Tensor> keepalive;  // staging buffers, sources, destinations
+    const void* stream;                 // entries of one stream complete in order
   };
 
-  std::unique_lock<std::mutex> lock();             // mu_, with contention counted
-  EventPtr pending_write_of(const at::Tensor& t);  // needs mu_
+  std::unique_lock<std::mutex> lock();  // mu_, with contention counted
+  // Raises the first error a copy-stream or I/O task threw (sticky).
+  void check_streams();
+  // The last event queried in a call: the values of one block share one.
+  struct QueryMemo {
+    const Event* event = nullptr;
+    bool done = false;
+  };
+  bool is_complete(const EventPtr& e, QueryMemo* memo);  // a counted query, memoised
+  EventPtr pending_write_of(const at::Tensor& t, QueryMemo* memo = nullptr);  // needs mu_
+  // Appends the D2H copies still reading device tensor `t`'s storage (needs mu_).
+  void pending_reads_of(const at::Tensor& t, std::vector<EventPtr>* out);
+  // Records a copy_into that reads or writes device tensor `t` (needs mu_).
+  void note_device_access(const at::Tensor& t, const EventPtr& done, bool write);
   // A dedup hit is served only if the stored copy still holds the source's bytes.
   bool same_bytes(const at::Tensor& source, const at::Tensor& stored);  // needs mu_
   // takes mu_; staging: a snapshot's transient buffer, whose spill is not a value's
@@ -158,8 +192,10 @@ class Engine {
   // new files are made without it; raises, naming the folder and bytes, when
   // the disk is full).
   std::optional<Block> allocate_disk(size_t bytes);
-  // Temporary memory for disk I/O, kDiskAlign-aligned at `*aligned` (needs mu_).
-  Block allocate_bounce_locked(size_t bytes, char** aligned);
+  // Temporary memory for disk I/O, kDiskAlign-aligned at `*aligned` (takes mu_;
+  // new bounce chunks are made without it).
+  Block allocate_bounce(size_t bytes, char** aligned);
+  Block allocate_pageable_bounce_locked(size_t bytes, char** aligned);  // needs mu_
   // Queues the write of a disk block's bytes, staged in `bounce`, after `after`;
   // returns the write's completion (the block's `stored`).
   EventPtr write_to_disk(HostBlock* hb, const Block& bounce, const char* data, size_t bytes,
@@ -175,7 +211,7 @@ class Engine {
                  const std::vector<CopyOp>& ops, std::vector<at::Tensor> keepalive,
                  const std::vector<CopyOp>& split = {},
                  const std::vector<EventPtr>& gates = {});  // gates[i]: before ops[i]
-  void throttle(size_t incoming);
+  void throttle(size_t incoming, Dir dir);
   // Moves completed in-flight entries out (destroyed by the caller, unlocked).
   std::vector<InFlight> reap_locked();
   void note_peaks_locked();
@@ -193,9 +229,13 @@ class Engine {
   DeferredFrees deferred_;
   DedupTable dedup_;
   std::deque<InFlight> in_flight_;
+  size_t in_flight_dir_[2] = {0, 0};  // bytes in flight per Dir
   std::unordered_map<const c10::StorageImpl*,
                      std::pair<c10::weak_intrusive_ptr<c10::StorageImpl>, EventPtr>>
-      device_stores_;  // peer-stored device tensors -> store completion
+      device_stores_;  // device tensors written by a copy -> its completion
+  std::unordered_map<const c10::StorageImpl*,
+                     std::pair<c10::weak_intrusive_ptr<c10::StorageImpl>, std::vector<EventPtr>>>
+      device_reads_;  // device tensors read by copy_into's D2H copies -> those copies
   size_t max_in_flight_;
   EngineStats stats_;
   bool spill_warned_ = false;
@@ -205,20 +245,25 @@ class Engine {
   std::atomic<size_t> live_blocks_{0};
   std::atomic<size_t> active_{0};
   size_t staging_bytes_ = 0;  // host blocks used as snapshot staging (needs mu_)
-  EventPtr trace_origin_;     // non-null while tracing
+  size_t device_notes_ = 0;   // note_device_access calls, for pruning the device maps
+  // Per GPU: the staging size that last ran out of device memory, and until when
+  // staging that large is not tried again.
+  std::unordered_map<int, std::pair<size_t, std::chrono::steady_clock::time_point>> staging_oom_;
+  EventPtr trace_origin_;  // non-null while tracing
   std::vector<TraceRow> trace_;
   std::string spill_notice_;
   // Disk tier (null without a disk dir). Declared after the arena: destroyed first.
   DiskOptions disk_options_;
   std::unique_ptr<DiskSource> disk_;
   std::unique_ptr<Arena> disk_arena_;
+  std::unique_ptr<Arena> bounce_arena_;  // disk I/O buffers, outside the pinned budget
   bool disk_warned_ = false;
   // Pageable disk I/O buffers kept for reuse, up to kBouncePoolBytes (few: a linear search).
   std::vector<Block> bounce_pool_;
   size_t bounce_pool_bytes_ = 0;
   std::atomic<size_t> disk_write_bytes_{0}, disk_read_bytes_{0};
   std::atomic<int64_t> disk_write_ns_{0}, disk_read_ns_{0};
-  std::atomic<size_t> disk_fallbacks_{0};  // pread/pwrite failed: copied through the mapping
+  std::atomic<size_t> disk_fallbacks_{0};  // aligned I/O that O_DIRECT refused: buffered instead
   std::atomic<size_t> lock_waits_over_1ms_{0};
   // The I/O thread: never holds mu_ or the GIL while waiting; made with the
   // first disk block. Last: stopped first.

@@ -59,6 +59,7 @@ Rows reshaped(Rows r, const Rows& like) {
 
 EventPtr Engine::copy_into(const std::vector<at::Tensor>& dsts, const std::vector<at::Tensor>& srcs,
                            bool wait) {
+  check_streams();
   TORCH_CHECK_VALUE(dsts.size() == srcs.size(), "offcache: copy_into needs as many destinations (",
                     dsts.size(), ") as sources (", srcs.size(), ")");
   struct Group {
@@ -69,8 +70,18 @@ EventPtr Engine::copy_into(const std::vector<at::Tensor>& dsts, const std::vecto
     std::vector<at::Tensor> keepalive;
     std::vector<HostBlock*> read, written;
     c10::Device consumer;
+    std::vector<c10::Device> ordered;  // GPUs whose current stream the group follows
+    std::vector<at::Tensor> srcs, dsts;
   };
   std::vector<Group> groups;
+  std::vector<c10::Device> resolved;  // each distinct device checked once per call
+  auto resolve = [&](c10::Device d) {
+    if (std::find(resolved.begin(), resolved.end(), d) == resolved.end()) {
+      backend_->resolve_device(d);
+      resolved.push_back(d);
+    }
+    return d;
+  };
   for (size_t i = 0; i < dsts.size(); ++i) {
     const at::Tensor& dst = dsts[i];
     const at::Tensor& src = srcs[i];
@@ -78,8 +89,8 @@ EventPtr Engine::copy_into(const std::vector<at::Tensor>& dsts, const std::vecto
         dst.defined() && src.defined() && dst.dtype() == src.dtype() && dst.sizes() == src.sizes(),
         "offcache: copy_into pair ", i, ": destination ", dst.dtype(), dst.sizes(), " and source ",
         src.dtype(), src.sizes(), " must have one dtype and shape");
-    const c10::Device from = backend_->resolve_device(src.device());
-    const c10::Device to = backend_->resolve_device(dst.device());
+    const c10::Device from = resolve(src.device());
+    const c10::Device to = resolve(dst.device());
     backend_->enable_peer_access(from, to);
     HostBlock* src_block = host_block_of(src);
     HostBlock* dst_block = host_block_of(dst);
@@ -112,15 +123,22 @@ EventPtr Engine::copy_into(const std::vector<at::Tensor>& dsts, const std::vecto
     auto g = std::find_if(groups.begin(), groups.end(),
                           [&](const Group& x) { return x.dir == dir && x.stream_device == sdev; });
     if (g == groups.end()) {
-      groups.push_back(Group{dir, sdev, {}, {}, {}, {}, {}, to});
+      groups.push_back(Group{dir, sdev, {}, {}, {}, {}, {}, to, {}});
       g = groups.end() - 1;
-      // Producer -> copy; and the destination's queued readers -> copy.
-      if (!from.is_cpu()) g->deps.push_back(backend_->record_current(from));
-      if (!to.is_cpu()) g->deps.push_back(backend_->record_current(to));
+    }
+    // Each source's producer -> copy, and each destination's queued readers ->
+    // copy: once per GPU of the group, whichever pair brings it.
+    for (c10::Device dev : {from, to}) {
+      if (dev.is_cpu() || std::find(g->ordered.begin(), g->ordered.end(), dev) != g->ordered.end())
+        continue;
+      g->ordered.push_back(dev);
+      g->deps.push_back(backend_->record_current(dev));
     }
     g->ops.push_back(CopyOp{d->ptr, s->ptr, s->run, s->rows, d->pitch, s->pitch});
     g->keepalive.push_back(src);
     g->keepalive.push_back(dst);
+    g->srcs.push_back(src);
+    g->dsts.push_back(dst);
     if (src_block) g->read.push_back(src_block);
     if (dst_block) g->written.push_back(dst_block);
   }
@@ -128,15 +146,19 @@ EventPtr Engine::copy_into(const std::vector<at::Tensor>& dsts, const std::vecto
   for (auto& g : groups) {
     {
       auto l = lock();
-      // A peer store still writing a device source or destination.
+      // A copy still writing a device source or destination, and (for a
+      // destination) D2H copies still reading it.
       for (const auto& t : g.keepalive) {
         if (!t.device().is_cpu()) {
           if (EventPtr e = pending_write_of(t)) g.deps.push_back(std::move(e));
         }
       }
+      for (const auto& t : g.dsts) {
+        if (!t.device().is_cpu()) pending_reads_of(t, &g.deps);
+      }
       // Read after write, and write after read or write, on host blocks.
       for (HostBlock* hb : g.read) {
-        if (hb->stored && !hb->stored->query()) g.deps.push_back(hb->stored);
+        if (hb->stored && !backend_->query(hb->stored)) g.deps.push_back(hb->stored);
       }
       for (HostBlock* hb : g.written)
         g.deps.insert(g.deps.end(), hb->fences.begin(), hb->fences.end());
@@ -149,6 +171,19 @@ EventPtr Engine::copy_into(const std::vector<at::Tensor>& dsts, const std::vecto
     for (HostBlock* hb : g.written) {
       hb->stored = done;
       hb->add_fence(done);
+    }
+    // Device memory has no fences: later copies find these in the maps.
+    for (const auto& t : g.srcs) {
+      if (!t.device().is_cpu() && t.has_storage()) note_device_access(t, done, /*write=*/false);
+    }
+    for (const auto& t : g.dsts) {
+      if (!t.device().is_cpu() && t.has_storage()) note_device_access(t, done, /*write=*/true);
+    }
+    l.unlock();
+    // The destinations changed: their version counters say so (dedup trusts
+    // them; views share the counter). Inference tensors have none.
+    for (const auto& t : g.dsts) {
+      if (!t.is_inference()) t.unsafeGetTensorImpl()->bump_version();
     }
     last = done;
   }

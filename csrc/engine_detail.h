@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/TensorImpl.h>
 
+#include <chrono>
 #include <optional>
 
 namespace offcache::detail {
@@ -24,6 +25,13 @@ constexpr size_t kDiskPiece = size_t{8} << 20;
 // Disk I/O buffers kept for reuse: mapping and pre-faulting them per copy costs
 // as much as the copy.
 constexpr size_t kBouncePoolBytes = size_t{256} << 20;
+// The disk tier's own pinned I/O buffers (outside the budget): 64 MiB chunks, 256 MiB at most.
+constexpr size_t kBounceChunkBytes = size_t{64} << 20;
+constexpr size_t kBounceArenaBytes = size_t{256} << 20;
+
+// After a device OOM for a snapshot's staging buffer, stores of that size or
+// more go without staging for this long.
+constexpr std::chrono::milliseconds kStagingOomBackoff{1000};
 
 inline size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 inline bool dense_enough(size_t span, size_t payload) { return span <= 2 * payload + kSpanSlack; }

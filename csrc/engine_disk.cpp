@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <stdexcept>
 
 #include "engine.h"
 #include "engine_detail.h"
@@ -76,16 +77,35 @@ std::optional<Block> Engine::allocate_disk(size_t bytes) {
   }
 }
 
-Block Engine::allocate_bounce_locked(size_t bytes, char** aligned) {
+Block Engine::allocate_bounce(size_t bytes, char** aligned) {
+  // The bounce arena: pinned on CUDA and outside the pinned budget, which is
+  // full exactly when the disk tier is in use, so the device copy into it stays
+  // asynchronous. Its chunks are made without the lock.
   std::string why;
-  if (backend_->chunks().pinned()) {
-    // CUDA: pinned arena memory when the budget allows, so the device copy is asynchronous.
-    if (auto b = arena_.allocate(bytes + kDiskAlign, &why)) {
-      *aligned = reinterpret_cast<char*>(align_up(reinterpret_cast<uintptr_t>(b->ptr), kDiskAlign));
-      return *b;
+  for (;;) {
+    size_t chunk = 0;
+    {
+      auto l = lock();
+      reclaim_locked();
+      if (auto b = bounce_arena_->allocate_existing(bytes)) {
+        *aligned = static_cast<char*>(b->ptr);
+        b->chunk |= kBounceArenaBit;
+        return *b;
+      }
+      chunk = bounce_arena_->begin_chunk(bytes, &why);
+      if (chunk == 0) return allocate_pageable_bounce_locked(bytes, aligned);
     }
+    void* base = backend_->chunks().allocate(chunk, &why);
+    auto l = lock();
+    bounce_arena_->finish_chunk(base, chunk);
+    if (base == nullptr) return allocate_pageable_bounce_locked(bytes, aligned);
   }
-  // A pooled page-aligned buffer (the smallest that fits), else a new one.
+}
+
+Block Engine::allocate_pageable_bounce_locked(size_t bytes, char** aligned) {
+  // Past the bounce arena: a pooled page-aligned buffer (the smallest that fits), else a new one.
+  ++stats_.bounce_pageable;
+  std::string why;
   const size_t size = align_up(std::max<size_t>(bytes, 1), kDiskAlign);
   auto best = bounce_pool_.end();
   for (auto it = bounce_pool_.begin(); it != bounce_pool_.end(); ++it) {
@@ -112,27 +132,30 @@ EventPtr Engine::write_to_disk(HostBlock* hb, const Block& bounce, const char* d
                         " bytes for a ", n, "-byte write");
   const DiskSource::Where where = disk_->locate(hb->block.ptr);
   TORCH_INTERNAL_ASSERT(where.fd >= 0, "offcache: a disk block outside every disk file");
-  char* mapped = static_cast<char*>(hb->block.ptr);
   io_->wait_event(after);
-  io_->submit([this, where, data, n, mapped] {
+  io_->submit([this, where, data, n] {
     const auto t0 = std::chrono::steady_clock::now();
     for (size_t off = 0; off < n; off += kDiskPiece) {
       const size_t len = std::min(kDiskPiece, n - off);
       DiskSource::Where w = where;
       w.offset += static_cast<off_t>(off);
-      if (!disk_write(w, data + off, len, nullptr)) {
-        // The space is reserved (fallocate): write through the mapping instead.
-        std::memcpy(mapped + off, data + off, len);
-        ++disk_fallbacks_;
-      }
+      std::string why;
+      bool buffered = false;
+      // The space was reserved when the block was placed, so a failure here is
+      // an I/O error: reported by the next engine call (HostStream keeps it),
+      // never retried through the mapping, where it would fault.
+      if (!disk_write(w, data + off, len, &why, &buffered))
+        throw std::runtime_error("writing to the disk tier in " + disk_->dir() + ": " + why);
+      if (buffered) ++disk_fallbacks_;
     }
     disk_write_bytes_ += n;
     disk_write_ns_ += ns_since(t0);
   });
   EventPtr written = io_->record();
   auto l = lock();
-  in_flight_.push_back(InFlight{nullptr, written, n, Dir::kStore, {}});
+  in_flight_.push_back(InFlight{nullptr, written, n, Dir::kStore, {}, io_.get()});
   stats_.in_flight_bytes += n;
+  in_flight_dir_[static_cast<int>(Dir::kStore)] += n;
   deferred_.push(bounce, {written});
   return written;
 }
@@ -143,19 +166,19 @@ std::vector<EventPtr> Engine::read_from_disk(const char* src, size_t bytes, char
   TORCH_INTERNAL_ASSERT(where.fd >= 0, "offcache: a disk read outside every disk file");
   const size_t shift = static_cast<size_t>(where.offset) % kDiskAlign;
   where.offset -= static_cast<off_t>(shift);
-  const char* mapped = src - shift;
   const size_t n = align_up(shift + bytes, kDiskAlign);
   std::vector<EventPtr> pieces;
   for (size_t off = 0; off < n; off += kDiskPiece) {
     const size_t len = std::min(kDiskPiece, n - off);
-    io_->submit([this, where, mapped, dst, off, len] {
+    io_->submit([this, where, dst, off, len] {
       const auto t0 = std::chrono::steady_clock::now();
       DiskSource::Where w = where;
       w.offset += static_cast<off_t>(off);
-      if (!disk_read(w, dst + off, len, nullptr)) {
-        std::memcpy(dst + off, mapped + off, len);  // through the page cache
-        ++disk_fallbacks_;
-      }
+      std::string why;
+      bool buffered = false;
+      if (!disk_read(w, dst + off, len, &why, &buffered))
+        throw std::runtime_error("reading from the disk tier in " + disk_->dir() + ": " + why);
+      if (buffered) ++disk_fallbacks_;
       disk_read_bytes_ += len;
       disk_read_ns_ += ns_since(t0);
     });

@@ -30,20 +30,26 @@ struct Segment {
 
 Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device device,
                               bool wait) {
+  check_streams();
   device = backend_->resolve_device(device);
   const size_t n = stored.size();
   std::vector<at::Tensor> out(n);
+  std::vector<c10::Device> resolved{device};  // each distinct device checked once per call
   for (const auto& t : stored) {
     TORCH_CHECK_TYPE(t.defined() && t.layout() == c10::kStrided,
                      "offcache: can only fetch dense tensors");
-    backend_->resolve_device(t.device());
+    if (std::find(resolved.begin(), resolved.end(), t.device()) == resolved.end()) {
+      resolved.push_back(t.device());
+      backend_->resolve_device(t.device());
+    }
   }
   // Pending writes are looked up before anything reads the values (a view
   // being made dense reads them too).
   std::vector<EventPtr> pending(n);
   {
     auto l = lock();
-    for (size_t i = 0; i < n; ++i) pending[i] = pending_write_of(stored[i]);
+    QueryMemo memo;
+    for (size_t i = 0; i < n; ++i) pending[i] = pending_write_of(stored[i], &memo);
   }
   // The devices the values live on: each is a producer whose queued work the
   // copy (and any materialising kernel) must follow.
@@ -173,11 +179,10 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
                               reinterpret_cast<uintptr_t>(seg.block->block.ptr)) %
                              kDiskAlign;
         char* bounce = nullptr;
+        bounces.push_back(allocate_bounce(align_up(shift + seg.length, kDiskAlign), &bounce));
         EventPtr written;
         {
           auto l = lock();
-          bounces.push_back(
-              allocate_bounce_locked(align_up(shift + seg.length, kDiskAlign), &bounce));
           written = seg.block->stored;
         }
         io_->wait_event(written);
@@ -210,6 +215,9 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
     // Several source devices (rare): each group follows the earlier ones, so the
     // last group's event is the whole fetch's.
     deps.insert(deps.end(), done_events.begin(), done_events.end());
+    size_t total = 0;
+    for (const CopyOp& op : ops) total += op.total();
+    throttle(total, dir);  // bounded per direction, like stores
     EventPtr done = issue(dir, stream, deps, ops, std::move(keepalive), split, gates);
     {
       auto l = lock();

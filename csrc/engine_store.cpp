@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <utility>
 
@@ -15,10 +16,15 @@ using namespace detail;  // NOLINT(build/namespaces): the engine's own helpers
 
 std::vector<at::Tensor> Engine::store(const std::vector<at::Tensor>& values, c10::Device target,
                                       bool allow_spill) {
+  check_streams();
   target = backend_->resolve_device(target);
+  std::vector<c10::Device> resolved{target};  // each distinct device checked once per call
   for (const auto& v : values) {
     check_storable(v);
-    backend_->resolve_device(v.device());
+    if (std::find(resolved.begin(), resolved.end(), v.device()) == resolved.end()) {
+      resolved.push_back(v.device());
+      backend_->resolve_device(v.device());
+    }
   }
   // Dedup candidates rejected under the lock die after it (see DedupTable::find).
   std::vector<at::Tensor> dropped;
@@ -155,9 +161,10 @@ std::vector<at::Tensor> Engine::store_to_host(const std::vector<at::Tensor>& val
     std::vector<EventPtr> pending;
     {
       auto l = lock();
+      QueryMemo memo;
       for (const auto& v : values) {
         if (v.device() != device) continue;
-        if (EventPtr e = pending_write_of(v)) pending.push_back(std::move(e));
+        if (EventPtr e = pending_write_of(v, &memo)) pending.push_back(std::move(e));
       }
     }
     for (const auto& e : pending) backend_->current_wait(device, e);
@@ -206,16 +213,13 @@ std::vector<at::Tensor> Engine::store_to_host(const std::vector<at::Tensor>& val
         out[it.index] = keep_flags(view_of(storage, 0, it.dense), values[it.index]);
         (*stored)[it.index] = true;
       }
-      throttle(total);  // staging memory is bounded by the in-flight bound
+      throttle(total, Dir::kStore);  // staging memory is bounded by the in-flight bound
       // A disk block: the copy fills an aligned bounce buffer, which the I/O
       // thread then writes to the block's file. Until that write is queued the
       // buffer is this call's to free (a failed copy was waited for by issue()).
       char* dst_base = static_cast<char*>(hb->block.ptr);
       Block bounce;
-      if (hb->disk()) {
-        auto l = lock();
-        bounce = allocate_bounce_locked(align_up(total, kDiskAlign), &dst_base);
-      }
+      if (hb->disk()) bounce = allocate_bounce(align_up(total, kDiskAlign), &dst_base);
       struct BounceGuard {
         Engine* engine;
         Block* bounce;
@@ -247,17 +251,39 @@ std::vector<at::Tensor> Engine::store_to_host(const std::vector<at::Tensor>& val
       if (group.size() == 1 && group[0].fresh) {
         keepalive.push_back(group[0].dense);
       } else {
-        try {
-          at::Tensor staging = staging_buffer(total, device);
-          snapshot_into(static_cast<char*>(staging.data_ptr()), group, device);
-          keepalive.push_back(std::move(staging));
+        // After a device OOM, staging of that size or more is not tried for a
+        // while: each failed attempt makes the caching allocator free its cache
+        // (a device-wide sync), and near the memory limit every store would.
+        bool skip = false;
+        if (!device.is_cpu()) {
           auto l = lock();
-          stats_.snapshot_bytes += total;
-        } catch (const c10::OutOfMemoryError&) {
+          auto it = staging_oom_.find(device.index());
+          skip = it != staging_oom_.end() && total >= it->second.first &&
+                 std::chrono::steady_clock::now() < it->second.second;
+          if (skip) ++stats_.snapshot_oom_skips;
+        }
+        bool oom = false;
+        if (!skip) {
+          try {
+            at::Tensor staging = staging_buffer(total, device);
+            snapshot_into(static_cast<char*>(staging.data_ptr()), group, device);
+            keepalive.push_back(std::move(staging));
+            auto l = lock();
+            stats_.snapshot_bytes += total;
+          } catch (const c10::OutOfMemoryError&) {
+            oom = true;
+          }
+        }
+        if (skip || oom) {  // the copy reads the sources; the producer waits for it below
           direct = true;
           for (const Item& it : group) keepalive.push_back(it.dense);
           auto l = lock();
           ++stats_.snapshot_fallbacks;
+          if (oom && !device.is_cpu()) {
+            staging_oom_.insert_or_assign(
+                device.index(),
+                std::make_pair(total, std::chrono::steady_clock::now() + kStagingOomBackoff));
+          }
         }
       }
       if (keepalive.size() == 1 && !direct) {
@@ -309,11 +335,7 @@ at::Tensor Engine::store_to_device(const at::Tensor& value, c10::Device target) 
             {CopyOp{dst.data_ptr(), src.data_ptr(), src.nbytes()}}, {src, dst});
   keep_flags(dst, value);
   auto l = lock();
-  device_stores_.insert_or_assign(dst.storage().unsafeGetStorageImpl(),
-                                  std::make_pair(dst.storage().getWeakStorageImpl(), done));
-  for (auto it = device_stores_.begin(); it != device_stores_.end();) {
-    it = it->second.first.expired() ? device_stores_.erase(it) : std::next(it);
-  }
+  note_device_access(dst, done, /*write=*/true);
   return dst;
 }
 

@@ -22,6 +22,11 @@ constexpr uint32_t kPageableChunk = UINT32_MAX;    // Block::chunk of a spilled 
 constexpr uint32_t kBounceChunk = UINT32_MAX - 1;  // Block::chunk of a pooled disk I/O buffer
 constexpr uint32_t kDiskChunkBit = 1u << 30;  // Block::chunk of a disk block: its disk chunk | this
 inline bool on_disk(const Block& b) { return b.chunk < kBounceChunk && (b.chunk & kDiskChunkBit); }
+constexpr uint32_t kBounceArenaBit =
+    1u << 29;  // Block::chunk of a disk I/O buffer in the bounce arena
+inline bool from_bounce_arena(const Block& b) {
+  return b.chunk < kBounceChunk && (b.chunk & kBounceArenaBit);
+}
 
 struct HostBlock {
   Engine* engine = nullptr;
@@ -32,7 +37,7 @@ struct HostBlock {
   bool staging = false;          // a snapshot's transient buffer
   bool pinned() const { return block.chunk < kBounceChunk && !on_disk(block); }
   bool disk() const { return on_disk(block); }
-  // Adds `event` once, dropping fences that have completed.
+  // Adds `event` once; fences that completed are dropped now and then.
   void add_fence(const EventPtr& event);
 };
 

@@ -92,6 +92,9 @@ def set_timing(on: bool) -> None:
 def _fail_next_copy() -> None:
     """Tests: the next host copy call queues its copies, then raises."""
 
+def _fail_next_task() -> None:
+    """Tests: the next host copy task fails on its worker thread."""
+
 def synchronize() -> None:
     """Wait for every copy in flight and return freed blocks to the arena."""
 

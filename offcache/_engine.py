@@ -237,7 +237,7 @@ def stats() -> dict:
 
     Disk tier: disk_bytes (in use), disk_reserved_bytes (files' size), disk_files,
     disk_write_bytes / disk_read_bytes and disk_write_seconds / disk_read_seconds (I/O thread
-    time), disk_fallbacks (direct I/O refused: copied through the mapping), host_limit_bytes.
+    time), disk_fallbacks (direct I/O refused: buffered I/O instead), host_limit_bytes.
     """
     return _C.stats()
 
@@ -347,6 +347,11 @@ def trace_stop() -> list[dict]:
 def _fail_next_copy() -> None:
     """Tests only: the next host-backend copy call queues its copies, then raises."""
     _C._fail_next_copy()
+
+
+def _fail_next_task() -> None:
+    """Tests only: the next host copy task fails on its worker thread (as a CUDA event wait can)."""
+    _C._fail_next_task()
 
 
 def warn_if_spilled(stacklevel: int = 2) -> None:

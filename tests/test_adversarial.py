@@ -358,3 +358,46 @@ def test_threads_share_one_cache_under_a_tiny_budget_while_configure_runs():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "errors 0" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+
+
+def test_synchronize_while_engines_are_retired_and_freed_on_another_thread():
+    # Expected: no crash. synchronize() enters every retired engine; the one whose last block dies
+    # meanwhile must not be deleted under it (nor twice).
+    proc = run_script(
+        """
+        import threading, time, torch, offcache
+        from offcache import _engine
+        offcache.configure(backend="host")
+        stop = time.monotonic() + 3
+        def syncer():
+            while time.monotonic() < stop:
+                offcache.synchronize()
+        t = threading.Thread(target=syncer); t.start()
+        n = 0
+        while time.monotonic() < stop:
+            offcache.configure(backend="host")
+            s = _engine.store([torch.ones(16)], torch.device("cpu"))
+            offcache.configure(backend="host")
+            del s
+            n += 1
+        t.join()
+        offcache.synchronize()
+        print("RESULT", n > 0, offcache.stats()["retired_engines"] == 0, flush=True)
+        """,
+        timeout=60,
+    )
+    assert proc.returncode == 0 and "RESULT True True" in proc.stdout, (proc.returncode, proc.stderr[-3000:])
+
+
+def test_copy_into_bumps_the_destination_version(host_engine):
+    # Dedup trusts version counters: a stored copy overwritten by copy_into must not look unchanged.
+    x = torch.randn(1000)
+    (s,) = _engine.store([x], torch.device("cpu"))
+    (other,) = _engine.store([torch.randn(1000)], torch.device("cpu"))
+    view = s[10:20]
+    before = s._version
+    _engine.copy_into([view], [other[10:20]], wait=True)
+    assert s._version > before  # views share the counter
+    (again,) = _engine.store([x], torch.device("cpu"))
+    offcache.synchronize()
+    assert torch.equal(again, x)

@@ -121,3 +121,43 @@ def test_iter_prefetch_depth_runs_ahead(host_engine):
             assert torch.equal(batch["x"], torch.full((4,), float(i)))
     with pytest.raises(ValueError, match="depth"):
         list(cache.iter_prefetch(depth=0))
+
+
+def test_store_grows_the_arena_instead_of_waiting_for_a_deferred_free(engine_config):
+    # The delete-then-update pattern: the freed block still has a copy in flight, the budget has
+    # room, so the next store takes a new chunk and the host does not wait.
+    engine_config(backend="host", host_copy_delay_us=300_000, min_chunk="2MiB")
+    first = _engine.store([torch.randn(3 << 18)], CPU)  # 3 MiB, slowed copy in flight
+    del first
+    with Delta() as d:
+        second = _engine.store([torch.randn(3 << 18)], CPU)
+    assert d["syncs"] == 0
+    offcache.synchronize()
+    assert second[0].numel() == 3 << 18
+
+
+def test_store_does_not_wait_for_fetches_in_flight(engine_config):
+    # Each direction has its own in-flight bound: an update() while a large prefetch is in flight
+    # does not wait for the H2D copies (no duplex overlap otherwise).
+    engine_config(backend="host", max_in_flight="4MiB")
+    stored = _engine.store([torch.randn(3 << 18)], CPU)  # 3 MiB
+    offcache.synchronize()
+    engine_config(backend="host", max_in_flight="4MiB", host_copy_delay_us=300_000)
+    stored = _engine.store([torch.randn(3 << 18)], CPU)
+    offcache.synchronize()
+    _engine.fetch(stored, CPU, False)  # 3 MiB H2D, slowed, in flight
+    with Delta() as d:
+        _engine.store([torch.randn(3 << 18)], CPU)
+    assert d["syncs"] == 0
+
+
+def test_event_queries_are_bounded_per_call(engine_config):
+    # One query per distinct pending event in a call, and reaping stops at each stream's first
+    # incomplete copy: not one query per tensor or per entry in flight.
+    engine_config(backend="host", host_copy_delay_us=200_000)
+    for _ in range(20):
+        _engine.store([torch.randn(1 << 18)], CPU)  # 20 slowed stores queued on one stream
+    stored = _engine.store([torch.full((32,), float(i)) for i in range(500)], CPU)  # one block, pending
+    before = offcache.stats()["event_queries"]
+    _engine.fetch(stored, CPU, False)
+    assert offcache.stats()["event_queries"] - before <= 8

@@ -125,11 +125,27 @@ def test_placement_first_come_stays_in_memory(engine_config, disk_dir):
 
 
 def test_no_disk_dir_nothing_goes_to_disk(engine_config):
-    engine_config(backend="host", pinned_limit="1MiB", host_limit=0)
-    stored = _engine.store([torch.randn(MiB)], CPU)
+    engine_config(backend="host", pinned_limit="1MiB", host_limit=4 * MiB)
+    x = torch.randn(MiB)  # 4 MiB: past the pinned budget, spilled, within the host limit
+    stored = _engine.store([x], CPU)
     assert not _engine.is_disk_tensor(stored[0])
     s = offcache.stats()
     assert s["disk_bytes"] == 0 and s["disk_write_bytes"] == 0 and s["pageable_bytes"] > 0
+    assert s["host_limit_bytes"] == 4 * MiB
+
+
+def test_past_the_host_limit_without_a_disk_tier_is_a_memory_error(engine_config):
+    # The host limit holds without a disk dir too: the store that would cross it raises a
+    # MemoryError naming the bytes and the variables, and every earlier value is intact.
+    engine_config(backend="host", pinned_limit="1MiB", host_limit=6 * MiB)
+    kept = [torch.full((MiB // 4,), float(i)) for i in range(5)]  # 5 x 1 MiB
+    stored = _engine.store(kept, CPU)
+    want = r"storing 4194304 more bytes.*host limit of 6291456.*OFFCACHE_HOST_LIMIT.*OFFCACHE_DISK_DIR"
+    with pytest.raises(MemoryError, match=want):
+        _engine.store([torch.randn(MiB)], CPU)
+    assert issubclass(offcache._C.HostLimitError, MemoryError)
+    got, _ = _engine.fetch(stored, CPU)
+    assert all(torch.equal(a, b) for a, b in zip(kept, got))
 
 
 def test_disk_dir_must_exist(engine_config, tmp_path):
@@ -287,3 +303,122 @@ def test_values_of_a_replaced_engine_still_fetch(engine_config, disk_dir, tmp_pa
     engine_config(backend="host")  # and one with no disk tier
     got, _ = _engine.fetch(stored, CPU)
     assert all(torch.equal(a, b) for a, b in zip(src, got))
+
+
+CHILD_FORK = """
+import os, sys, gc, torch, offcache, warnings
+from offcache import _engine
+warnings.simplefilter("ignore")
+torch.set_num_threads(1)  # OpenMP's pool does not survive fork(): a parallel op in the child would hang
+offcache.configure(backend="host", pinned_limit="1MiB", min_chunk="256KiB", host_limit=0, disk_dir=sys.argv[1])
+cpu = torch.device("cpu")
+def val(i):
+    return torch.full((1 << 18,), float(i))  # 1 MiB
+before = _engine.store([val(0)], cpu)
+offcache.synchronize()
+assert _engine.is_disk_tensor(before[0])
+to_child_r, to_child_w = os.pipe()
+to_parent_r, to_parent_w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    import signal
+    signal.alarm(30)  # a hang in the child ends it (and so the parent's wait)
+    os.close(to_parent_r); os.close(to_child_w)
+    os.read(to_child_r, 1)  # the parent has stored batch 1 and re-stored over batch 0's space
+    try:
+        mine = _engine.store([val(2)], cpu)
+        offcache.synchronize()
+        got_before, _ = _engine.fetch(before, cpu)
+        got_mine, _ = _engine.fetch(mine, cpu)
+        ok = torch.equal(got_before[0], val(0)) and torch.equal(got_mine[0], val(2))
+        code = 0 if ok else 3
+    except RuntimeError as e:  # refusing disk use in the child with a clear error would be fine too
+        print("CHILD ERROR", e, flush=True)
+        code = 0 if "fork" in str(e) else 4
+    os.write(to_parent_w, b"x")
+    os._exit(code)
+os.close(to_parent_w); os.close(to_child_r)
+first = _engine.store([val(1)], cpu)
+offcache.synchronize()
+del before; gc.collect()  # the parent frees batch 0: its space must not be reused under the child
+again = _engine.store([val(3)], cpu)
+offcache.synchronize()
+os.write(to_child_w, b"x")
+os.read(to_parent_r, 1)
+_, status = os.waitpid(pid, 0)
+got, _ = _engine.fetch(first + again, cpu)
+print("PARENT", torch.equal(got[0], val(1)) and torch.equal(got[1], val(3)), flush=True)
+print("CHILD", os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+def test_fork_children_and_parents_do_not_share_new_disk_values(disk_dir):
+    # Expected: after fork() each process's new disk values are its own, and the parent never reuses
+    # space a child may still read (the child's pre-fork value stays intact).
+    out = subprocess.run([sys.executable, "-c", CHILD_FORK, str(disk_dir)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "PARENT True" in out.stdout and "CHILD 0" in out.stdout, (out.stdout, out.stderr[-3000:])
+
+
+CHILD_EXT2 = """
+import sys, torch, offcache, warnings
+from offcache import _engine
+warnings.simplefilter("ignore")
+offcache.configure(backend="host", pinned_limit="1MiB", min_chunk="256KiB", host_limit=0, disk_dir=sys.argv[1])
+cpu = torch.device("cpu")
+kept = []
+try:
+    for i in range(20):
+        x = torch.full((1 << 20,), float(i))  # 4 MiB each: the 64 MiB file system fills up
+        kept.append((x, _engine.store([x], cpu)[0]))
+        offcache.synchronize()
+    print("NOERROR", flush=True)
+except RuntimeError as e:
+    print("ERROR", str(e).replace(chr(10), " "), flush=True)
+got, _ = _engine.fetch([s for _, s in kept], cpu)
+print("INTACT", len(kept) > 0 and all(torch.equal(a, b) for (a, _), b in zip(kept, got)), flush=True)
+"""
+
+
+@pytest.fixture
+def small_ext2(tmp_path):
+    """A 64 MiB ext2 file system on a loop device: no fallocate, so nothing is reserved by it."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a loop file system needs root")
+    image, mnt = tmp_path / "ext2.img", tmp_path / "mnt"
+    mnt.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(64 * MiB)
+    made = subprocess.run(["mkfs.ext2", "-q", "-F", str(image)], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"mkfs.ext2 unavailable: {made.stderr.strip()}")
+    mounted = subprocess.run(["mount", "-o", "loop", str(image), str(mnt)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot loop-mount here: {mounted.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_disk_full_without_fallocate_is_a_clear_error(small_ext2):
+    # Expected: a RuntimeError naming the folder and the bytes, earlier values intact; not SIGBUS.
+    cmd = [sys.executable, "-c", CHILD_EXT2, str(small_ext2)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, (out.returncode, out.stderr[-3000:])
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    assert "ERROR" in lines and str(small_ext2) in lines["ERROR"] and "bytes" in lines["ERROR"], out.stdout
+    assert lines["INTACT"] == "True", out.stdout
+
+
+def test_disk_io_buffers_come_from_the_bounce_arena_when_the_budget_is_full(all_on_disk):
+    # The pinned budget (1 MiB) is full, yet the disk tier's I/O buffers are not pageable: they
+    # come from its own arena outside the budget (pinned on CUDA, so the D2H stays asynchronous).
+    src = values(3)
+    stored = _engine.store(src, CPU)
+    got, _ = _engine.fetch(stored, CPU)
+    assert all(torch.equal(a, b) for a, b in zip(src, got))
+    s = offcache.stats()
+    assert s["bounce_pageable"] == 0 and s["bounce_reserved_bytes"] > 0
+    offcache.synchronize()
+    assert offcache.empty_cache() >= 0 and offcache.stats()["bounce_reserved_bytes"] == 0

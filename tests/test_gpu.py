@@ -307,3 +307,164 @@ def test_peer_access_is_enabled_for_peer_copies():
     x = torch.randn(1 << 20, device="cuda:0")
     (y,) = _engine.store([x], torch.device("cuda:1"))
     assert y.device == torch.device("cuda:1") and torch.equal(y.cpu(), x.cpu())
+
+
+# Round 3 of review (issue 17) --------------------------------------------------------------
+
+
+def _run(script: str, timeout: int = 300):
+    import subprocess
+    import sys
+    import textwrap
+
+    cmd = [sys.executable, "-c", textwrap.dedent(script)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def test_cuda_error_in_a_host_stream_wait_is_an_error_not_an_abort():
+    # A CPU->CPU fetch of a block whose D2H is pending queues a host task that waits on a CUDA
+    # event; a sticky error makes that wait throw on the worker thread.
+    proc = _run(
+        """
+        import torch, offcache
+        from offcache import _engine
+        x = torch.zeros(1 << 24, device="cuda")
+        for _ in range(50):
+            x.add_(1)  # long producer work: the D2H is still pending below
+        (stored,) = _engine.store([x], torch.device("cpu"))
+        torch.zeros(4, device="cuda")[torch.tensor([7], device="cuda")] = 1.0  # device-side assert
+        try:
+            _engine.fetch([stored], torch.device("cpu"))
+            offcache.synchronize()
+            print("no error", flush=True)
+        except RuntimeError as e:
+            print("raised", type(e).__name__, flush=True)
+        print("survived", flush=True)
+        """
+    )
+    assert proc.returncode != -6, proc.stderr[-2000:]  # no std::terminate
+    assert "survived" in proc.stdout, proc.stderr[-2000:]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_copy_into_orders_after_every_source_devices_producer():
+    d0, d1 = torch.device("cuda:0"), torch.device("cuda:1")
+    (h0,) = _engine.store([torch.zeros(1 << 22)], CPU)
+    (h1,) = _engine.store([torch.zeros(1 << 22)], CPU)
+    a = torch.zeros(1 << 22, device=d0)
+    with torch.cuda.device(d1):
+        b = torch.zeros(1 << 22, device=d1)
+        for _ in range(50):
+            b.add_(1)  # queued on cuda:1's current stream
+    _engine.copy_into([h0, h1], [a, b], wait=True)
+    assert torch.all(h1 == 50)
+
+
+def test_copy_into_d2h_read_is_ordered_before_a_later_h2d_write():
+    n = 1 << 26  # 256 MiB: the D2H takes long enough for an unordered H2D to overtake it
+    buf = torch.full((n,), 1.0, device=DEV)
+    (h,) = _engine.store([torch.zeros(n)], CPU)
+    (h2,) = _engine.store([torch.full((n,), 2.0)], CPU)
+    offcache.synchronize()
+    _engine.copy_into([h], [buf])  # D2H on the D2H stream
+    _engine.copy_into([buf], [h2], wait=True)  # H2D into the buffer the D2H reads
+    _engine.wait_stored(h)
+    assert torch.all(h == 1.0)
+    torch.cuda.synchronize()
+    assert torch.all(buf == 2.0)
+
+
+def test_copy_into_d2h_ticket_is_a_stream_wait():
+    buf = torch.randn(1 << 20, device=DEV)
+    (h,) = _engine.store([torch.zeros(1 << 20)], CPU)
+    offcache.synchronize()
+    ticket = _engine.copy_into([h], [buf])
+    before = offcache.stats()["syncs"]
+    ticket.wait()  # orders buf's device stream after the read; the host does not block
+    buf.fill_(0.0)
+    assert offcache.stats()["syncs"] == before
+    _engine.wait_stored(h)
+    assert not torch.all(h == 0.0)
+
+
+def test_dedup_does_not_serve_a_stored_copy_overwritten_by_copy_into():
+    x = torch.randn(1 << 16, device=DEV)
+    (s,) = _engine.store([x], CPU)
+    (other,) = _engine.store([torch.randn(1 << 16)], CPU)
+    offcache.synchronize()
+    _engine.copy_into([s], [other], wait=True)
+    (again,) = _engine.store([x], CPU)
+    offcache.synchronize()
+    assert torch.equal(again, x.cpu())
+
+
+def test_forked_child_reading_pinned_arena_memory_fails_loudly():
+    import os
+    import signal
+
+    (stored,) = _engine.store([torch.full((1 << 20,), 5.0, device=DEV)], CPU)
+    offcache.synchronize()
+    assert float(stored[0]) == 5.0
+    pid = os.fork()
+    if pid == 0:
+        try:
+            value = float(stored[123])  # PROT_NONE in the child: faults instead of reading zeros
+            os._exit(3 if value == 0.0 else 4)
+        except BaseException:
+            os._exit(5)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) in (signal.SIGSEGV, signal.SIGBUS), status
+
+
+def test_staging_oom_does_not_flush_the_allocator_on_every_store():
+    free, _ = torch.cuda.mem_get_info()
+    torch.cuda.empty_cache()
+    hog = torch.empty(max(free - (768 << 20), 0), dtype=torch.uint8, device=DEV)  # leave ~768 MiB
+    try:
+        xs = [torch.randn(1 << 26, device=DEV) for _ in range(2)]  # 2 x 256 MiB
+        retries = torch.cuda.memory_stats()["num_alloc_retries"]
+        start = offcache.stats()
+        for _ in range(10):
+            out = _engine.store([x[1:] for x in xs], CPU)  # views: staging needed, 512 MiB
+            del out
+        offcache.synchronize()
+        s = offcache.stats()
+        assert s["snapshot_fallbacks"] - start["snapshot_fallbacks"] >= 10
+        assert s["snapshot_oom_skips"] - start["snapshot_oom_skips"] >= 8
+        assert torch.cuda.memory_stats()["num_alloc_retries"] - retries <= 2
+    finally:
+        del hog
+        torch.cuda.empty_cache()
+
+
+def test_disk_tier_bounce_buffers_are_pinned_when_the_budget_is_full(engine_config, tmp_path):
+    engine_config(backend="cuda", pinned_limit="1MiB", host_limit=0, disk_dir=tmp_path)
+    xs = [torch.randn(1 << 20, device=DEV) for _ in range(8)]  # 8 x 4 MiB, all to disk
+    before = offcache.stats()
+    stored = _engine.store(xs, CPU)
+    s = offcache.stats()
+    assert s["bounce_pageable"] == 0 and s["bounce_reserved_bytes"] > 0
+    assert s["syncs"] == before["syncs"]  # no host/producer sync per value
+    back, _ = _engine.fetch(stored, DEV)
+    assert all(torch.equal(a, b) for a, b in zip(xs, back))
+
+
+def test_event_queries_per_small_tensor_are_o1():
+    xs = [torch.randn(64, device=DEV) for _ in range(1000)]
+    _engine.store(xs, CPU)
+    offcache.synchronize()
+    before = offcache.stats()["event_queries"]
+    stored = _engine.store(xs, CPU)
+    back, _ = _engine.fetch(stored, DEV)
+    assert offcache.stats()["event_queries"] - before <= 16
+
+
+def test_update_does_not_wait_for_a_large_prefetch_in_flight(engine_config):
+    engine_config(backend="cuda", max_in_flight="512MiB")
+    (big,) = _engine.store([torch.randn(1 << 27, device=DEV)], CPU)  # 512 MiB
+    offcache.synchronize()
+    _engine.fetch([big], DEV, False)  # H2D in flight
+    before = offcache.stats()["syncs"]
+    _engine.store([torch.randn(1 << 26, device=DEV)], CPU)  # 256 MiB D2H: its own bound
+    assert offcache.stats()["syncs"] == before
+    offcache.synchronize()

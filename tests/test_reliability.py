@@ -126,3 +126,25 @@ def test_refused_arena_allocation_spills_with_a_warning(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "spilled" in proc.stdout
+
+
+def test_a_failing_copy_task_is_an_error_at_the_next_call_not_an_abort(engine_config):
+    # A task that throws on a copy-stream worker (a CUDA event wait on a sticky error, say) used to
+    # reach std::terminate. Now the next engine call raises it, and a new engine works.
+    engine_config(backend="host")
+    x = torch.randn(1000)
+    _engine.store([x], torch.device("cpu"))
+    offcache.synchronize()
+    _engine._fail_next_task()
+    (broken,) = _engine.store([x * 2], torch.device("cpu"))  # its copy task fails on the worker
+    with pytest.raises(RuntimeError, match="streams failed: injected copy-task failure"):
+        offcache.synchronize()
+    with pytest.raises(RuntimeError, match="injected"):
+        _engine.wait_stored(broken)
+    with pytest.raises(RuntimeError, match="injected"):
+        _engine.store([x], torch.device("cpu"))
+    offcache.configure(backend="host")
+    (ok,) = _engine.store([x], torch.device("cpu"))
+    (back,), _ = _engine.fetch([ok], torch.device("cpu"))
+    assert torch.equal(back, x)
+    offcache.synchronize()

@@ -49,7 +49,7 @@ uint32_t Arena::adopt(void* base, size_t bytes) {
 void Arena::drop_chunk(uint32_t index) {
   Chunk& c = chunks_[index];
   assert(c.live && c.used == 0);
-  erase_free(index, 0, c.size);
+  if (!c.sealed) erase_free(index, 0, c.size);
   source_.release(c.base, c.size);
   reserved_ -= c.size;
   c = Chunk{};
@@ -120,6 +120,10 @@ void Arena::free(const Block& block) {
   assert(c.base + block.offset == block.ptr && c.used >= block.size);
   c.used -= block.size;
   in_use_ -= block.size;
+  if (c.sealed) {
+    if (c.used == 0) drop_chunk(block.chunk);
+    return;
+  }
   size_t offset = block.offset;
   size_t length = block.size;
   // Coalesce with the free ranges on either side.
@@ -149,7 +153,12 @@ void Arena::trim_spares() {
   // smallest go back first.
   std::vector<uint32_t> empty;
   for (uint32_t i = 0; i < chunks_.size(); ++i) {
-    if (chunks_[i].live && chunks_[i].used == 0) empty.push_back(i);
+    if (!chunks_[i].live || chunks_[i].used != 0) continue;
+    if (chunks_[i].sealed) {
+      drop_chunk(i);  // never a spare: nothing may be placed in it
+    } else {
+      empty.push_back(i);
+    }
   }
   std::sort(empty.begin(), empty.end(),
             [this](uint32_t a, uint32_t b) { return chunks_[a].size > chunks_[b].size; });
@@ -161,6 +170,19 @@ void Arena::trim_spares() {
     } else {
       drop_chunk(empty[k]);
     }
+  }
+}
+
+void Arena::seal_all() {
+  for (uint32_t i = 0; i < chunks_.size(); ++i) {
+    Chunk& c = chunks_[i];
+    // Nothing goes back to the source here (a fork handler: the source's
+    // lock may be held by a thread that is gone); empty ones go with the next
+    // free or release_empty_chunks().
+    if (!c.live || c.sealed) continue;
+    for (const auto& [offset, length] : c.free) by_length_.erase(FreeKey{length, i, offset});
+    c.free.clear();
+    c.sealed = true;
   }
 }
 

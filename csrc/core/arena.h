@@ -75,6 +75,11 @@ class Arena {
   size_t round_up(size_t bytes) const;
   // Returns every chunk with no live block to the source.
   size_t release_empty_chunks();
+  // No new block is placed in any chunk made so far; each goes back to the
+  // source once its last block is freed (empty ones: at the next free or
+  // release_empty_chunks(); never from here, which may run in a fork handler). (Fork: a disk file
+  // both processes map is written by neither after it.)
+  void seal_all();
 
  private:
   struct Chunk {
@@ -82,6 +87,7 @@ class Arena {
     size_t size = 0;
     size_t used = 0;
     bool live = false;
+    bool sealed = false;            // no free range indexed: nothing new goes here
     std::map<size_t, size_t> free;  // offset -> length
   };
   using FreeKey = std::tuple<size_t, uint32_t, size_t>;  // length, chunk, offset

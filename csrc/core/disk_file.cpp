@@ -58,13 +58,13 @@ void* DiskSource::allocate(size_t bytes, std::string* error) {
     if (error) *error = why;
     return nullptr;
   }
-  // Reserve the space now: ENOSPC / EFBIG (RLIMIT_FSIZE) surface here.
-  int rc = fallocate(fd, 0, 0, static_cast<off_t>(bytes));
-  if (rc != 0 && (errno == EOPNOTSUPP || errno == ENOSYS)) {
-    rc = ftruncate(fd, static_cast<off_t>(bytes));  // no reservation on this file system
-  }
+  // Reserve the space now: ENOSPC / EFBIG (RLIMIT_FSIZE) surface here. Where
+  // the file system has no fallocate (ext2, say) posix_fallocate writes every
+  // block instead: a file that is only truncated has no space behind it, and a
+  // later write through the mapping would fault (SIGBUS) when the disk fills.
+  const int rc = posix_fallocate(fd, 0, static_cast<off_t>(bytes));
   if (rc != 0) {
-    const int err = errno;
+    const int err = rc;  // posix_fallocate returns the error, errno is unset
     close(fd);
     if (error) {
       *error =
@@ -119,8 +119,9 @@ namespace {
 
 template <class Op>
 bool transfer(const DiskSource::Where& w, char* buf, size_t bytes, const char* what, Op op,
-              std::string* error) {
+              std::string* error, bool* buffered) {
   int fd = w.direct >= 0 && aligned(buf, bytes, w.offset) ? w.direct : w.fd;
+  if (buffered) *buffered = fd != w.direct && aligned(buf, bytes, w.offset);
   size_t done = 0;
   while (done < bytes) {
     const ssize_t n = op(fd, buf + done, bytes - done, w.offset + static_cast<off_t>(done));
@@ -131,6 +132,7 @@ bool transfer(const DiskSource::Where& w, char* buf, size_t bytes, const char* w
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && errno == EINVAL && fd == w.direct) {  // O_DIRECT refused after all
       fd = w.fd;
+      if (buffered) *buffered = true;
       continue;
     }
     const int err = n == 0 ? EIO : errno;
@@ -146,16 +148,18 @@ bool transfer(const DiskSource::Where& w, char* buf, size_t bytes, const char* w
 
 }  // namespace
 
-bool disk_write(const DiskSource::Where& w, const void* buf, size_t bytes, std::string* error) {
+bool disk_write(const DiskSource::Where& w, const void* buf, size_t bytes, std::string* error,
+                bool* buffered) {
   return transfer(
       w, const_cast<char*>(static_cast<const char*>(buf)), bytes, "write",
-      [](int fd, char* p, size_t n, off_t o) { return pwrite(fd, p, n, o); }, error);
+      [](int fd, char* p, size_t n, off_t o) { return pwrite(fd, p, n, o); }, error, buffered);
 }
 
-bool disk_read(const DiskSource::Where& w, void* buf, size_t bytes, std::string* error) {
+bool disk_read(const DiskSource::Where& w, void* buf, size_t bytes, std::string* error,
+               bool* buffered) {
   return transfer(
       w, static_cast<char*>(buf), bytes, "read",
-      [](int fd, char* p, size_t n, off_t o) { return pread(fd, p, n, o); }, error);
+      [](int fd, char* p, size_t n, off_t o) { return pread(fd, p, n, o); }, error, buffered);
 }
 
 }  // namespace offcache

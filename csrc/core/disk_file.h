@@ -4,7 +4,7 @@
 // A chunk is one file, created in a private folder (mkdtemp, mode 0700) that
 // is removed again right away, and unlinked as soon as it is open: no name
 // ever outlives the call that made it, so a killed process leaves nothing.
-// Its space is reserved up front (fallocate), so "disk full" is reported when
+// Its space is reserved up front (posix_fallocate), so "disk full" is reported when
 // a block is placed, on the caller's thread, not later by a background write.
 // The mapping lets anyone read a disk-backed tensor's bytes directly (the
 // page cache serves them); the engine's own copies use pread/pwrite on an
@@ -58,8 +58,11 @@ class DiskSource : public ChunkSource {
 // Reads or writes exactly `bytes` at `offset`, retrying short transfers and
 // EINTR. Uses `w.direct` when buffer, offset and length are aligned, else
 // (or if the direct call fails with EINVAL) `w.fd`. False with `error` set
-// (bytes, offset, errno text) on failure.
-bool disk_write(const DiskSource::Where& w, const void* buf, size_t bytes, std::string* error);
-bool disk_read(const DiskSource::Where& w, void* buf, size_t bytes, std::string* error);
+// (bytes, offset, errno text) on failure. `buffered`: set when an aligned
+// transfer could not use O_DIRECT.
+bool disk_write(const DiskSource::Where& w, const void* buf, size_t bytes, std::string* error,
+                bool* buffered = nullptr);
+bool disk_read(const DiskSource::Where& w, void* buf, size_t bytes, std::string* error,
+               bool* buffered = nullptr);
 
 }  // namespace offcache

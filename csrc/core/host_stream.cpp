@@ -54,19 +54,26 @@ void HostStream::start_worker_locked() {
   worker_ = std::make_unique<std::thread>([this] { run(); });
 }
 
-void HostStream::submit(std::function<void()> task) {
+void HostStream::push(std::function<void()> fn, bool always) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!worker_) start_worker_locked();  // first use in a forked child
-    tasks_.push_back(std::move(task));
+    tasks_.push_back(Task{std::move(fn), always});
   }
   cv_.notify_one();
 }
 
+void HostStream::submit(std::function<void()> task) { push(std::move(task), false); }
+
 std::shared_ptr<HostEvent> HostStream::record() {
   auto event = std::make_shared<HostEvent>();
-  submit([event] { event->complete(); });
+  push([event] { event->complete(); }, true);
   return event;
+}
+
+std::string HostStream::error() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return error_;
 }
 
 void HostStream::wait_event(EventPtr event) {
@@ -83,7 +90,8 @@ void HostStream::run() {
   constexpr auto kSpin = std::chrono::microseconds(100);
   auto last_work = clock::now();
   for (;;) {
-    std::function<void()> task;
+    Task task;
+    bool failed;
     {
       std::unique_lock<std::mutex> lock(mu_);
       running_ = false;
@@ -100,8 +108,22 @@ void HostStream::run() {
       task = std::move(tasks_.front());
       tasks_.pop_front();
       running_ = true;
+      failed = !error_.empty();
     }
-    task();
+    if (failed && !task.always) continue;  // after a failure only events complete
+    std::string what;
+    try {
+      task.fn();
+    } catch (const std::exception& e) {
+      what = e.what();
+      if (what.empty()) what = "unknown error";
+    } catch (...) {
+      what = "unknown error";
+    }
+    if (!what.empty()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (error_.empty()) error_ = std::move(what);
+    }
     last_work = clock::now();
   }
 }

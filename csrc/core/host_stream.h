@@ -12,6 +12,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 
 #include "event.h"
@@ -25,9 +26,14 @@ class HostStream {
   HostStream(const HostStream&) = delete;
   HostStream& operator=(const HostStream&) = delete;
 
+  // A task that throws does not end the worker (or the process): its error is
+  // kept (error()), later tasks are skipped and later events still complete,
+  // so nothing waiting on the stream hangs and the owner reports the error.
   void submit(std::function<void()> task);
   // An event that completes after every task submitted before it.
   std::shared_ptr<HostEvent> record();
+  // The first error a task threw ("" if none); sticky.
+  std::string error();
   // Later tasks start only after `event` completes (cudaStreamWaitEvent).
   void wait_event(EventPtr event);
   // Blocks until every submitted task has run.
@@ -39,13 +45,19 @@ class HostStream {
   static void after_fork_child();
 
  private:
+  struct Task {
+    std::function<void()> fn;
+    bool always;  // runs even after a failure (completes an event)
+  };
+  void push(std::function<void()> fn, bool always);
   void run();
   void start_worker_locked();
 
   std::mutex mu_;
   std::condition_variable cv_;
   std::condition_variable idle_cv_;
-  std::deque<std::function<void()>> tasks_;
+  std::deque<Task> tasks_;
+  std::string error_;  // guarded by mu_
   bool stop_ = false;
   bool running_ = false;  // the worker is running a task (outside mu_)
   bool paused_ = false;   // fork in progress: the worker takes no new task
