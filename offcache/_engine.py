@@ -5,13 +5,14 @@ Nothing else in offcache calls offcache._C: this module is the seam.
 Environment (read when offcache is imported; ``configure`` changes it later):
   OFFCACHE_BACKEND             auto | cuda | host (default auto: CUDA when a GPU is visible)
   OFFCACHE_PINNED_LIMIT        pinned budget: bytes, a size such as 64GiB, or a % of RAM
-  OFFCACHE_CHUNK_BYTES         smallest arena chunk
+  OFFCACHE_CHUNK_BYTES         smallest arena chunk, 1 byte to 1GiB (the largest chunk)
   OFFCACHE_MAX_IN_FLIGHT       bound on bytes being copied at once
-  OFFCACHE_HOST_COPY_DELAY_US  slows each host-backend copy (tests widen race windows)
+  OFFCACHE_HOST_COPY_DELAY_US  slows each host-backend copy (tests widen race windows), 0 to 60000000
   OFFCACHE_DISK_DIR            folder for the disk tier (default: none, nothing goes to disk)
   OFFCACHE_HOST_LIMIT          host memory (pinned + pageable) offcache uses before it writes
                                to disk: bytes, a size or a % of RAM; only with a disk dir
-Defaults: DEFAULTS below.
+Defaults: DEFAULTS below. A blank variable counts as unset. Sizes are whole bytes: '0.9' is
+refused (a fraction is not a size), '90%' is a percentage.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import os
 import re
 import warnings
 from collections.abc import Sequence
+from decimal import Decimal
 
 import torch
 
@@ -83,7 +85,9 @@ _ENV = {
     "disk_dir": "OFFCACHE_DISK_DIR",
     "host_limit": "OFFCACHE_HOST_LIMIT",
 }
-_SIZE_MAX = 2**64 - 1
+_SIZE_MAX = 2**64 - 1  # size_t, what the engine takes
+_MAX_CHUNK = 1 << 30  # the arena's largest chunk (csrc/core/arena.h, ArenaOptions::max_chunk)
+_MAX_DELAY_US = 60_000_000  # a minute per copy: past any test's need, far from int64/chrono overflow
 
 _UNITS = {
     "": 1, "b": 1,
@@ -92,7 +96,8 @@ _UNITS = {
     "g": 1024**3, "gib": 1024**3, "gb": 1000**3,
     "t": 1024**4, "tib": 1024**4, "tb": 1000**4,
 }  # fmt: skip
-_SIZE_FORMS = "bytes as an int, or a string such as '512MiB', '64GiB', '1.5GB' or '40%' (of RAM)"
+_SIZE_FORMS = "bytes as an int, or a string such as '512MiB', '64GiB', '1.5GB' or '40%' (of memory)"
+_NUMBER = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-z]*)")
 
 
 class SpillWarning(UserWarning):
@@ -103,13 +108,32 @@ def total_ram_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def parse_size(text: str | int, what: str = "a size") -> int:
-    """Bytes from an int, '123', '512MiB', '64GiB', '1.5GB' or '40%' (of RAM).
+def usable_memory_bytes() -> int:
+    """The memory this process may use: what percentages are of."""
+    return total_ram_bytes()
 
-    `what` names the setting in the error (e.g. "OFFCACHE_PINNED_LIMIT").
+
+def _human(n: int) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.4g}{unit}"
+    return f"{n}B"
+
+
+def _fraction_hint(number) -> str:
+    pct = f"{float(number) * 100:g}%"
+    return f"a fraction is not a size: for {pct} of memory write '{pct}', or give bytes (e.g. '512MiB')"
+
+
+def parse_size(text: str | int, what: str = "a size", low: int = 0, high: int = _SIZE_MAX) -> int:
+    """Bytes from an int, '123', '512MiB', '64GiB', '1.5GB' or '40%' (of memory), in [low, high].
+
+    `what` names the setting in the error (e.g. "OFFCACHE_PINNED_LIMIT"). A unitless number
+    must be whole bytes: '0.9' is refused, not read as 0 bytes or as 90%.
     """
     if isinstance(text, bool) or not isinstance(text, (int, str)):
-        raise TypeError(f"{what} must be {_SIZE_FORMS}; got {text!r} ({type(text).__name__})")
+        hint = f"; {_fraction_hint(text)}" if isinstance(text, float) and 0 < text <= 1 else ""
+        raise TypeError(f"{what} must be {_SIZE_FORMS}; got {text!r} ({type(text).__name__}){hint}")
     if isinstance(text, int):
         n = text
     else:
@@ -120,25 +144,36 @@ def parse_size(text: str | int, what: str = "a size") -> int:
             except ValueError:
                 pct = float("nan")
             if not 0 < pct <= 100:
-                raise ValueError(f"{what}: a percentage of RAM must be in (0, 100], got {text!r}")
-            return int(total_ram_bytes() * pct / 100)
-        m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-z]*)", s)
-        if not m or m[2] not in _UNITS:
-            raise ValueError(f"{what}: cannot read {text!r} as a size; use {_SIZE_FORMS}")
-        n = int(float(m[1]) * _UNITS[m[2]])
-    if not 0 <= n <= _SIZE_MAX:
-        raise ValueError(f"{what} must be between 0 and 2**64 - 1 bytes, got {text!r}")
+                raise ValueError(f"{what}: a percentage of memory must be in (0, 100], got {text!r}")
+            n = int(usable_memory_bytes() * pct / 100)
+        else:
+            m = _NUMBER.fullmatch(s)
+            if not m or m[2] not in _UNITS:
+                raise ValueError(f"{what}: cannot read {text!r} as a size; use {_SIZE_FORMS}")
+            number, unit = Decimal(m[1]), _UNITS[m[2]]
+            if unit == 1 and number != number.to_integral_value():
+                if 0 < number <= 1:
+                    raise ValueError(f"{what}: got {text!r}; {_fraction_hint(number)}")
+                raise ValueError(f"{what}: {text!r} is not a whole number of bytes; use {_SIZE_FORMS}")
+            n = int(number * unit)
+    if not low <= n <= high:
+        bounds = "2**64 - 1 bytes" if high == _SIZE_MAX else f"{high} bytes ({_human(high)})"
+        raise ValueError(f"{what} must be between {low} and {bounds}, got {text!r}")
     return n
 
 
-def _parse_int(text: str | int, what: str, low: int = 0) -> int:
-    try:
-        n = int(text)
-    except (TypeError, ValueError):
-        raise ValueError(f"{what} must be an integer >= {low}, got {text!r}") from None
-    if isinstance(text, float) or n < low:
-        raise ValueError(f"{what} must be an integer >= {low}, got {text!r}")
-    return n
+def _parse_int(text: str | int, what: str, low: int = 0, high: int | None = None) -> int:
+    """A whole number in [low, high] from an int or a decimal string (no bools, floats or '1e3')."""
+    accepted = f"an integer >= {low}" if high is None else f"an integer between {low} and {high}"
+    if isinstance(text, bool) or not isinstance(text, (int, str)):
+        raise TypeError(f"{what} must be {accepted}, got {text!r} ({type(text).__name__})")
+    if isinstance(text, str):
+        if not re.fullmatch(r"\s*[0-9]+\s*", text):
+            raise ValueError(f"{what} must be {accepted}, got {text!r}")
+        text = int(text)
+    if text < low or (high is not None and text > high):
+        raise ValueError(f"{what} must be {accepted}, got {text!r}")
+    return text
 
 
 def local_world_size() -> int:
@@ -175,13 +210,25 @@ def _disk_dir(given: str | os.PathLike | None, name: str) -> str:
 
 
 def _setting(name: str, given):
-    """An argument, else its environment variable, else the default; with the name for errors."""
+    """An argument, else its environment variable, else the default; with the name for errors.
+
+    An empty or blank variable counts as unset (``export OFFCACHE_X=`` is a common way to clear one).
+    """
     if given is not None:
         return given, f"configure({name}=...)"
     env = os.environ.get(_ENV[name])
-    if env:
+    if env and env.strip():
         return env, _ENV[name]
     return DEFAULTS[name], f"the default {name}"
+
+
+_BACKENDS = ("auto", "cuda", "host")
+
+
+def _backend(value, name: str) -> str:
+    if not isinstance(value, str) or value.strip().lower() not in _BACKENDS:
+        raise ValueError(f"{name} must be one of 'auto', 'cuda' or 'host', got {value!r}")
+    return value.strip().lower()
 
 
 def configure(
@@ -200,8 +247,10 @@ def configure(
 
     With a `disk_dir`, values stored once offcache holds `host_limit` bytes of host memory
     (pinned + pageable) go to files there instead; without one nothing goes to disk.
+    Every value is checked here, in Python, so a bad one names its variable and the
+    accepted forms and nothing reaches the engine.
     """
-    backend, _ = _setting("backend", backend)
+    backend, backend_name_ = _setting("backend", backend)
     limit, limit_name = _setting("pinned_limit", pinned_limit)
     chunk, chunk_name = _setting("min_chunk", min_chunk)
     flight, flight_name = _setting("max_in_flight", max_in_flight)
@@ -213,18 +262,16 @@ def configure(
         limit_bytes = default_pinned_limit()
     else:
         limit_bytes = parse_size(limit, limit_name)
-    chunk_bytes = parse_size(chunk, chunk_name)
-    if chunk_bytes == 0:
-        raise ValueError(f"{chunk_name} must be at least 1 byte, got {chunk!r}")
-    _C.configure(
-        backend=str(backend),
+    settings = dict(
+        backend=_backend(backend, backend_name_),
         pinned_limit=limit_bytes,
-        min_chunk=chunk_bytes,
+        min_chunk=parse_size(chunk, f"{chunk_name} (smallest arena chunk)", low=1, high=_MAX_CHUNK),
         max_in_flight=parse_size(flight, flight_name),
-        host_copy_delay_us=_parse_int(delay, f"{delay_name} (microseconds)"),
+        host_copy_delay_us=_parse_int(delay, f"{delay_name} (microseconds)", high=_MAX_DELAY_US),
         disk_dir=_disk_dir(disk, disk_name),
         host_limit=host_bytes,
     )
+    _C.configure(**settings)
 
 
 def set_pinned_limit(limit: str | int) -> None:
