@@ -9,6 +9,8 @@ __version__ = "0.2.0"
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from offcache._engine import (
+    CapacityWarning,
+    HostLimitError,
     SpillWarning,
     build_info,
     configure,
@@ -32,6 +34,8 @@ def __getattr__(name):
 
 
 __all__ = [
+    "CapacityWarning",
+    "HostLimitError",
     "IntermediateValue",
     "IntermediatesCache",
     "OffloadedKVCache",

@@ -125,7 +125,7 @@ def test_placement_first_come_stays_in_memory(engine_config, disk_dir):
 
 
 def test_no_disk_dir_nothing_goes_to_disk(engine_config):
-    engine_config(backend="host", pinned_limit="1MiB", host_limit=0)
+    engine_config(backend="host", pinned_limit="1MiB", host_limit="64MiB", disk_dir="none")
     stored = _engine.store([torch.randn(MiB)], CPU)
     assert not _engine.is_disk_tensor(stored[0])
     s = offcache.stats()
@@ -271,8 +271,8 @@ def test_default_host_limit_is_shared_among_local_ranks(engine_config, disk_dir,
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.delenv("OFFCACHE_HOST_LIMIT", raising=False)
     engine_config(backend="host", disk_dir=disk_dir)
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    assert offcache.stats()["host_limit_bytes"] == int(ram * 0.75) // 4
+    memory = min(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), _engine.cgroup_memory_limit() or 2**64)
+    assert offcache.stats()["host_limit_bytes"] == int(memory * 0.25) // 4
 
 
 def test_values_of_a_replaced_engine_still_fetch(engine_config, disk_dir, tmp_path):
