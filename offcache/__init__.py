@@ -21,7 +21,7 @@ from offcache._engine import (
 )
 from offcache.cache import IntermediatesCache, IntermediateValue
 from offcache.kv import kv_bytes, kv_bytes_for_config
-from offcache.patch import patch_llmcompressor, unpatch_llmcompressor
+from offcache.patch import LLMCompressorDriftError, patch_llmcompressor, unpatch_llmcompressor
 
 
 def __getattr__(name):
@@ -38,6 +38,7 @@ __all__ = [
     "HostLimitError",
     "IntermediateValue",
     "IntermediatesCache",
+    "LLMCompressorDriftError",
     "OffloadedKVCache",
     "OffloadedStaticKVCache",
     "SpillWarning",

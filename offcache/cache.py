@@ -188,6 +188,22 @@ class IntermediatesCache:
     def __len__(self) -> int:
         return len(self.batch_intermediates)
 
+    def __contains__(self, key: Any) -> bool:
+        """``(batch_index, name) in cache``: that batch holds that name; ``i in cache``: batch i exists.
+
+        llm-compressor 0.14's class has no ``__contains__``, so ``in`` falls back to ``__iter__``:
+        it fetches every batch and compares whole dicts with the key, silently False for the
+        keys its open PR #2664 would ask about. Here nothing is fetched.
+        """
+        if isinstance(key, tuple) and len(key) == 2:
+            batch_index, name = key
+            if isinstance(batch_index, int) and not isinstance(batch_index, bool):
+                n = len(self.batch_intermediates)
+                return -n <= batch_index < n and name in self.batch_intermediates[batch_index]
+        elif isinstance(key, int) and not isinstance(key, bool):
+            return -len(self.batch_intermediates) <= key < len(self.batch_intermediates)
+        raise TypeError(f"`in` on an IntermediatesCache takes (batch_index, name) or a batch index, got {key!r}")
+
     @classmethod
     def _onload_value(cls, intermediate: IntermediateValue) -> Any:
         """The value of one IntermediateValue, with its tensors onloaded."""
