@@ -93,3 +93,22 @@ def test_patch_is_idempotent_and_reversible():
         offcache.unpatch_llmcompressor()
     for module in (lc_cache, seq, awq):
         assert module.IntermediatesCache is original
+
+
+def test_the_planners_cache_peak_matches_the_measured_one(tiny_model_dir, engine_config):
+    from offcache import plan
+
+    engine_config(backend="host")  # a fresh engine: its peaks are this run's
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        offcache.patch_llmcompressor()
+        quantize(tiny_model_dir, prefetch=False)
+    finally:
+        offcache.unpatch_llmcompressor()
+        torch.set_num_threads(threads)
+    s = offcache.stats()
+    measured = s["peak_pinned_in_use_bytes"] + s["peak_pageable_bytes"]
+    config = transformers.AutoConfig.from_pretrained(tiny_model_dir)
+    predicted = plan.estimate(config, samples=6, seq_len=24, dtype="float32", onload="cpu").cache_peak_bytes
+    assert abs(predicted - measured) <= 0.1 * measured, (predicted, measured)
