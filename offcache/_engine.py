@@ -289,18 +289,28 @@ def local_world_size() -> int:
     return _parse_int(raw, "LOCAL_WORLD_SIZE (set by torchrun: processes on this host)", low=1)
 
 
+def memory_share(value: str | int, what: str) -> int:
+    """A memory limit for this process: bytes as given; a percentage of memory divided among the local ranks.
+
+    The ranks of a torchrun job on one host share its memory (and its cgroup), so '50%' means
+    half of it for all of them together, not for each.
+    """
+    n = parse_size(value, what)
+    return n // local_world_size() if isinstance(value, str) and value.strip().endswith("%") else n
+
+
 def default_pinned_limit() -> int:
     """DEFAULTS' share of usable memory, divided among the local ranks of a torchrun/DDP job.
 
     Several processes pinning independently can exhaust the host (llm-compressor
     #2790), so each rank takes its share.
     """
-    return parse_size(DEFAULTS["pinned_limit"]) // local_world_size()
+    return memory_share(DEFAULTS["pinned_limit"], "the default pinned_limit")
 
 
 def default_host_limit() -> int:
     """DEFAULTS' share of usable memory, divided among the local ranks like the pinned budget."""
-    return parse_size(DEFAULTS["host_limit"]) // local_world_size()
+    return memory_share(DEFAULTS["host_limit"], "the default host_limit")
 
 
 # File systems whose "files" are memory: a disk tier there would spend the memory it saves.
@@ -458,11 +468,8 @@ def configure(
     delay, delay_name = _setting("host_copy_delay_us", host_copy_delay_us)
     disk, disk_name = _setting("disk_dir", disk_dir)
     host, host_name = _setting("host_limit", host_limit)
-    host_bytes = default_host_limit() if host_name == "the default host_limit" else parse_size(host, host_name)
-    if limit_name == "the default pinned_limit":
-        limit_bytes = default_pinned_limit()
-    else:
-        limit_bytes = parse_size(limit, limit_name)
+    host_bytes = memory_share(host, host_name)
+    limit_bytes = memory_share(limit, limit_name)
     settings = dict(
         backend=_backend(backend, backend_name_),
         pinned_limit=limit_bytes,
@@ -478,8 +485,13 @@ def configure(
 
 
 def set_pinned_limit(limit: str | int) -> None:
-    """Set the pinned budget (bytes, '64GiB', '40%'). Values past it spill to pageable memory."""
-    _C.set_pinned_limit(parse_size(limit, "set_pinned_limit(limit)"))
+    """Set the pinned budget (bytes, '64GiB', '40%' of memory for the local ranks together).
+
+    Values past it spill to pageable memory.
+    """
+    n = memory_share(limit, "set_pinned_limit(limit)")
+    _C.set_pinned_limit(n)
+    _resolved["pinned_limit"] = n
 
 
 def stats() -> dict:

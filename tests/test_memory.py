@@ -84,7 +84,11 @@ def test_percentages_and_defaults_are_of_the_cgroup_limit(engine_config, monkeyp
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     engine_config(backend="host", disk_dir="none", pinned_limit="10%")
     assert offcache.stats()["host_limit_bytes"] == _engine.usable_memory_bytes() // 4 // 2
-    assert offcache.stats()["pinned_limit_bytes"] == _engine.usable_memory_bytes() // 10  # given: not divided
+    assert offcache.stats()["pinned_limit_bytes"] == _engine.usable_memory_bytes() // 10 // 2  # shared by the ranks
+    offcache.set_pinned_limit("20%")
+    assert offcache.stats()["pinned_limit_bytes"] == _engine.usable_memory_bytes() // 5 // 2
+    engine_config(backend="host", disk_dir="none", pinned_limit="64MiB", host_limit=1 << 30)  # bytes: per process
+    assert (offcache.stats()["pinned_limit_bytes"], offcache.stats()["host_limit_bytes"]) == (64 * MiB, GiB)
 
 
 def test_stats_report_the_host_limit_without_a_disk_tier(engine_config):
