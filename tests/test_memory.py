@@ -381,3 +381,35 @@ def test_three_gib_through_the_cache_in_a_two_gib_cgroup_completes_with_defaults
     assert int(host) <= GiB // 2 and int(pinned) <= GiB // 2, lines  # of the cgroup's 2 GiB, not of RAM
     assert disk == str(tmp_path / "xdg" / "offcache")
     assert int(lines["stored"]) > GiB and "intact" in lines
+
+
+PAYLOAD_NONE = """
+import torch, offcache
+from offcache import IntermediatesCache
+n, size = 24, 128 << 20
+cache = IntermediatesCache.empty(n, "cpu")
+try:
+    for i in range(n):
+        cache.update(i, {"hidden": torch.full((size // 4,), float(i))})
+except offcache.HostLimitError as exc:
+    print("refused", i, str(exc).replace(chr(10), " "), flush=True)
+for j in range(i):
+    x = cache.fetch(j)["hidden"]
+    assert bool((x == float(j)).all()), j
+    del x
+print("intact", flush=True)
+"""
+
+
+@needs_engine_host_limit
+def test_with_no_disk_tier_a_two_gib_cgroup_gets_the_error_not_the_oom_killer(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OFFCACHE_") and k != "LOCAL_WORLD_SIZE"}
+    env.update(OFFCACHE_DISK_DIR="none", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    with memory_cgroup(2 * GiB) as procs:
+        script = f'echo $$ > {procs} && exec "{sys.executable}" -c "$0"'
+        out = subprocess.run(["sh", "-c", script, textwrap.dedent(PAYLOAD_NONE)], env=env, capture_output=True,
+                             text=True, timeout=600)  # fmt: skip
+    assert out.returncode == 0, f"rc {out.returncode} (-9: OOM-killed)\n{out.stdout}\n{out.stderr[-3000:]}"
+    refused = [line for line in out.stdout.splitlines() if line.startswith("refused")]
+    assert refused and "OFFCACHE_HOST_LIMIT" in refused[0] and "intact" in out.stdout
+    assert 1 <= int(refused[0].split()[1]) <= 4  # a 512 MiB limit holds a few 128 MiB values

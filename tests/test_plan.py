@@ -115,3 +115,15 @@ def test_plan_kv_is_kv_size(capsys):
     folded = capsys.readouterr().out
     assert kv.main(["size", *args]) == 0
     assert capsys.readouterr().out == folded and "KV cache: 1073741824 bytes" in folded
+
+
+def test_json_output_is_the_plan(capsys):
+    import json
+
+    args = ["--layers", "2", "--hidden-size", "64", "--heads", "4", "--samples", "3", "--seq-len", "8"]
+    assert plan.main([*args, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    shape = plan.Shape(layers=2, hidden_size=64, heads=4, kv_heads=4, head_dim=16, intermediate_size=256, vocab_size=0)
+    want = plan.estimate(shape=shape, samples=3, seq_len=8).to_dict()
+    for key in ("cache_peak_bytes", "d2h_bytes", "h2d_bytes", "weight_bytes_total", "boundaries"):
+        assert got[key] == want[key], key
