@@ -499,7 +499,8 @@ def stats() -> dict:
 
     Disk tier: disk_bytes (in use), disk_reserved_bytes (files' size), disk_files,
     disk_write_bytes / disk_read_bytes and disk_write_seconds / disk_read_seconds (I/O thread
-    time), disk_fallbacks (direct I/O refused: copied through the mapping), host_limit_bytes.
+    time), disk_fallbacks (direct I/O refused: copied through the mapping), host_limit_bytes (with or
+    without a disk tier).
     """
     s = _C.stats()
     s["host_limit_bytes"] = _resolved.get("host_limit", s["host_limit_bytes"])  # held with or without a disk tier

@@ -257,10 +257,10 @@ def estimate(
     if shape is None:
         if config is None:
             raise ValueError("estimate() needs a model config (or a path to one), or shape=Shape(...)")
-        if isinstance(config, str):
+        if isinstance(config, (str, os.PathLike)):
             from transformers import AutoConfig
 
-            config = AutoConfig.from_pretrained(config)
+            config = AutoConfig.from_pretrained(os.fspath(config))
         shape = shape_of_config(config, dtype)
     elif not shape.weight_bytes_per_layer:
         shape = _formula_weights(dataclasses.replace(shape), dtype)

@@ -98,7 +98,7 @@ def test_the_command_line_prints_the_plan(tmp_path, capsys):
     transformers.LlamaConfig(**TINY).save_pretrained(tmp_path)
     assert plan.main(["--config", str(tmp_path), "--samples", "6", "--seq-len", "24", "--dtype", "float32"]) == 0
     text = capsys.readouterr().out
-    p = plan.estimate(str(tmp_path), samples=6, seq_len=24, dtype="float32")
+    p = plan.estimate(tmp_path, samples=6, seq_len=24, dtype="float32")  # a path works as well as a str
     assert f"Cache peak: {p.cache_peak_bytes} bytes" in text and "after subgraph 0:" in text
     assert f"{p.weight_bytes_total} bytes" in text and "published: NVIDIA H200" in text
     with pytest.raises(SystemExit):
