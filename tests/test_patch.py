@@ -97,8 +97,12 @@ def test_a_drifted_class_is_found(changes, match):
 @pytest.fixture
 def fake_source(monkeypatch):
     """llmcompressor.pipelines.cache replaced by a fake module, for patch_llmcompressor() to inspect."""
+    # Import every module patch_llmcompressor() imports first: imported while the fake is in
+    # place, they would keep its classes.
+    import llmcompressor.modifiers.transform.awq.base  # noqa: F401
     import llmcompressor.pipelines
     import llmcompressor.pipelines.cache as real
+    import llmcompressor.pipelines.sequential.pipeline  # noqa: F401
 
     offcache.unpatch_llmcompressor()
 
@@ -115,6 +119,7 @@ def fake_source(monkeypatch):
     yield install
     monkeypatch.undo()
     assert sys.modules["llmcompressor.pipelines.cache"] is real
+    assert llmcompressor.pipelines.sequential.pipeline.IntermediatesCache is real.IntermediatesCache  # nothing leaked
 
 
 def test_patch_refuses_a_drifted_module_and_patches_nothing(fake_source):
