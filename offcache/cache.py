@@ -245,7 +245,7 @@ class IntermediatesCache:
     def _offload_many(self, values: dict[str, Any], onload: torch.device | None, batch_index: int, batches: int = 0):
         leaves: list[IntermediateValue] = []
         out = {name: plan(v, onload, leaves, f"batch {batch_index}, value {name!r}") for name, v in values.items()}
-        _store(leaves, self.offload_device, f"batch {batch_index} (values {', '.join(map(repr, values))})")
+        _store(leaves, self.offload_device, lambda: f"batch {batch_index} (values {', '.join(map(repr, values))})")
         if batches > 1 and leaves and self.offload_device is not None and self.offload_device.type == "cpu":
             self._project(values, leaves, batch_index, batches)
         return out
@@ -257,9 +257,11 @@ class IntermediatesCache:
         update() of a subgraph projects its total. It warns at once (CapacityWarning) when that
         exceeds the host limit plus the disk tier's free space, instead of failing hours later.
         """
+        if self.__dict__.get("_capacity_warned"):
+            return
         key = frozenset(values)
         projected = self.__dict__.setdefault("_projected", set())
-        if key in projected or self.__dict__.get("_capacity_warned"):
+        if key in projected:
             return
         projected.add(key)
         batch_bytes = sum(leaf._value.nbytes for leaf in leaves)
@@ -284,14 +286,14 @@ class IntermediatesCache:
         return dict(zip(names, values)), tickets
 
 
-def _store(leaves: list[IntermediateValue], offload_device: torch.device | None, where: str = "the value") -> None:
-    """Replace each leaf's source tensor by its stored copy (one engine call)."""
+def _store(leaves: list[IntermediateValue], offload_device: torch.device | None, where=lambda: "the value") -> None:
+    """Replace each leaf's source tensor by its stored copy (one engine call); `where()` names them in errors."""
     if offload_device is None or not leaves:
         return
     try:
         stored = _engine.store([leaf._value for leaf in leaves], offload_device)
     except _engine.HostLimitError as exc:
-        raise _host_limit_error(exc, where) from exc
+        raise _host_limit_error(exc, where()) from exc
     for leaf, value in zip(leaves, stored):
         leaf._value, leaf._pending = value, True
     _engine.warn_if_spilled(stacklevel=4)  # the caller of update() / append() / from_dataloader()
