@@ -134,3 +134,6 @@ def configure(
 cuda_compiled: bool
 torch_version: str
 cuda_version: str | None
+
+class HostLimitError(MemoryError):
+    """A store would take host memory (pinned + pageable) past the host limit, and there is no disk tier."""

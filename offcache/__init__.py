@@ -9,6 +9,8 @@ __version__ = "0.2.0"
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from offcache._engine import (
+    CapacityWarning,
+    HostLimitError,
     SpillWarning,
     build_info,
     configure,
@@ -19,7 +21,7 @@ from offcache._engine import (
 )
 from offcache.cache import IntermediatesCache, IntermediateValue
 from offcache.kv import kv_bytes, kv_bytes_for_config
-from offcache.patch import patch_llmcompressor, unpatch_llmcompressor
+from offcache.patch import LLMCompressorDriftError, patch_llmcompressor, unpatch_llmcompressor
 
 
 def __getattr__(name):
@@ -32,8 +34,11 @@ def __getattr__(name):
 
 
 __all__ = [
+    "CapacityWarning",
+    "HostLimitError",
     "IntermediateValue",
     "IntermediatesCache",
+    "LLMCompressorDriftError",
     "OffloadedKVCache",
     "OffloadedStaticKVCache",
     "SpillWarning",

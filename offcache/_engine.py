@@ -4,14 +4,19 @@ Nothing else in offcache calls offcache._C: this module is the seam.
 
 Environment (read when offcache is imported; ``configure`` changes it later):
   OFFCACHE_BACKEND             auto | cuda | host (default auto: CUDA when a GPU is visible)
-  OFFCACHE_PINNED_LIMIT        pinned budget: bytes, a size such as 64GiB, or a % of RAM
-  OFFCACHE_CHUNK_BYTES         smallest arena chunk
+  OFFCACHE_PINNED_LIMIT        pinned budget: bytes, a size such as 64GiB, or a % of memory
+  OFFCACHE_CHUNK_BYTES         smallest arena chunk, 1 byte to 1GiB (the largest chunk)
   OFFCACHE_MAX_IN_FLIGHT       bound on bytes being copied at once
-  OFFCACHE_HOST_COPY_DELAY_US  slows each host-backend copy (tests widen race windows)
-  OFFCACHE_DISK_DIR            folder for the disk tier (default: none, nothing goes to disk)
-  OFFCACHE_HOST_LIMIT          host memory (pinned + pageable) offcache uses before it writes
-                               to disk: bytes, a size or a % of RAM; only with a disk dir
-Defaults: DEFAULTS below.
+  OFFCACHE_HOST_COPY_DELAY_US  slows each host-backend copy (tests widen race windows), 0 to 60000000
+  OFFCACHE_DISK_DIR            the disk tier: auto (default: $XDG_CACHE_HOME/offcache or
+                               ~/.cache/offcache, where that is a real disk with room),
+                               none, or a folder
+  OFFCACHE_HOST_LIMIT          host memory (pinned + pageable) offcache holds: bytes, a size or
+                               a % of memory; past it values go to disk, or with no disk tier
+                               the store raises HostLimitError
+"Memory" is the smaller of RAM and the process's cgroup limit.
+Defaults: DEFAULTS below. A blank variable counts as unset. Sizes are whole bytes: '0.9' is
+refused (a fraction is not a size), '90%' is a percentage.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import os
 import re
 import warnings
 from collections.abc import Sequence
+from decimal import Decimal
 
 import torch
 
@@ -39,6 +45,8 @@ except ImportError as exc:  # no silent fallback: the engine is the product
 
 __all__ = [
     "DEFAULTS",
+    "CapacityWarning",
+    "HostLimitError",
     "SpillWarning",
     "Ticket",
     "backend_name",
@@ -53,6 +61,7 @@ __all__ = [
     "parse_size",
     "set_pinned_limit",
     "set_timing",
+    "settings",
     "stats",
     "store",
     "synchronize",
@@ -67,12 +76,19 @@ Ticket = _C.Ticket
 # The one place the configuration defaults are written (tests check the README's table against it).
 DEFAULTS: dict[str, str | int] = {
     "backend": "auto",
-    "pinned_limit": "40%",  # of RAM, divided among the local ranks (LOCAL_WORLD_SIZE)
+    # Percentages are of the memory the process may use (RAM or its cgroup's limit, the smaller),
+    # divided among the local ranks (LOCAL_WORLD_SIZE). The host limit bounds offcache's pinned +
+    # pageable memory; the rest of the process needs at least as much again: fetch outputs, the
+    # model's CPU weights, the interpreter and torch, the page cache of the disk tier's mappings.
+    # In a 2 GiB cgroup a 1 GiB limit (50%) was OOM-killed in the fetch loop while 512 MiB (25%)
+    # peaked at 1.6 GiB (issue 19), so 25%; a pinned budget above the host limit would never
+    # be used, so it is 25% too.
+    "pinned_limit": "25%",
     "min_chunk": "2MiB",
     "max_in_flight": "1GiB",
     "host_copy_delay_us": 0,
-    "disk_dir": "",
-    "host_limit": "75%",  # of RAM, divided among the local ranks (LOCAL_WORLD_SIZE)
+    "disk_dir": "auto",  # $XDG_CACHE_HOME/offcache (else ~/.cache/offcache) where that is a real disk
+    "host_limit": "25%",
 }
 _ENV = {
     "backend": "OFFCACHE_BACKEND",
@@ -83,7 +99,9 @@ _ENV = {
     "disk_dir": "OFFCACHE_DISK_DIR",
     "host_limit": "OFFCACHE_HOST_LIMIT",
 }
-_SIZE_MAX = 2**64 - 1
+_SIZE_MAX = 2**64 - 1  # size_t, what the engine takes
+_MAX_CHUNK = 1 << 30  # the arena's largest chunk (csrc/core/arena.h, ArenaOptions::max_chunk)
+_MAX_DELAY_US = 60_000_000  # a minute per copy: past any test's need, far from int64/chrono overflow
 
 _UNITS = {
     "": 1, "b": 1,
@@ -92,24 +110,130 @@ _UNITS = {
     "g": 1024**3, "gib": 1024**3, "gb": 1000**3,
     "t": 1024**4, "tib": 1024**4, "tb": 1000**4,
 }  # fmt: skip
-_SIZE_FORMS = "bytes as an int, or a string such as '512MiB', '64GiB', '1.5GB' or '40%' (of RAM)"
+_SIZE_FORMS = "bytes as an int, or a string such as '512MiB', '64GiB', '1.5GB' or '40%' (of memory)"
+_NUMBER = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-z]*)")
 
 
 class SpillWarning(UserWarning):
     """Values no longer fit the pinned budget and now live in pageable memory (or on disk)."""
 
 
+class CapacityWarning(UserWarning):
+    """A run is projected to need more than the host limit plus the disk tier's free space."""
+
+
+# A store would cross the host limit and there is no disk tier to take it (a MemoryError).
+HostLimitError: type[MemoryError] = _C.HostLimitError
+
+
 def total_ram_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def parse_size(text: str | int, what: str = "a size") -> int:
-    """Bytes from an int, '123', '512MiB', '64GiB', '1.5GB' or '40%' (of RAM).
+def _unescape(field: str) -> str:
+    """A /proc/self/mountinfo path field: spaces, tabs, newlines and backslashes come octal-escaped."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
 
-    `what` names the setting in the error (e.g. "OFFCACHE_PINNED_LIMIT").
+
+def mounts(proc: str = "/proc/self") -> list[tuple[str, str, str, str]]:
+    """(root, mount point, file system type, super options) of each mount, from mountinfo."""
+    out = []
+    try:
+        with open(os.path.join(proc, "mountinfo")) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        left, sep, right = line.partition(" - ")
+        a, b = left.split(), right.split()
+        if sep and len(a) >= 5 and len(b) >= 3:
+            out.append((_unescape(a[3]), _unescape(a[4]), b[0], b[2]))
+    return out
+
+
+def _read_limit(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # v2 writes "max" for no limit
+
+
+def cgroup_memory_limit(proc: str = "/proc/self") -> int | None:
+    """The tightest memory limit of this process's cgroups, v1 and v2; None where none is set.
+
+    The cgroup paths come from /proc/self/cgroup; each is found under the mount of its
+    hierarchy (mountinfo gives the mount's root, so a namespaced mount resolves too), and
+    every level up to the mount counts, since a parent's limit binds its children.
+    """
+    try:
+        with open(os.path.join(proc, "cgroup")) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    table = mounts(proc)
+    found = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":
+            v2, limit_file = True, "memory.max"
+        elif "memory" in controllers.split(","):
+            v2, limit_file = False, "memory.limit_in_bytes"
+        else:
+            continue
+        for root, point, fs, opts in table:
+            if not (fs == "cgroup2" if v2 else fs == "cgroup" and "memory" in opts.split(",")):
+                continue
+            rel = path[len(root) :] if root != "/" and (path + "/").startswith(root + "/") else path
+            here = os.path.normpath(point + "/" + rel.lstrip("/"))
+            if not os.path.isdir(here):
+                here = point
+            while True:
+                limit = _read_limit(os.path.join(here, limit_file))
+                if limit is not None:
+                    found.append(limit)
+                if os.path.normpath(here) == os.path.normpath(point) or here in ("/", ""):
+                    break
+                here = os.path.dirname(here)
+    return min(found) if found else None
+
+
+def usable_memory_bytes() -> int:
+    """The memory this process may use: the smaller of RAM and its cgroup's limit.
+
+    Containers, Kubernetes pods and Slurm jobs run under a cgroup limit far below the
+    machine's RAM; percentages (OFFCACHE_PINNED_LIMIT, OFFCACHE_HOST_LIMIT) are of this.
+    """
+    ram = total_ram_bytes()
+    limit = cgroup_memory_limit()
+    return ram if limit is None else min(ram, limit)
+
+
+def _human(n: int) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.4g}{unit}"
+    return f"{n}B"
+
+
+def _fraction_hint(number) -> str:
+    pct = f"{float(number) * 100:g}%"
+    return f"a fraction is not a size: for {pct} of memory write '{pct}', or give bytes (e.g. '512MiB')"
+
+
+def parse_size(text: str | int, what: str = "a size", low: int = 0, high: int = _SIZE_MAX) -> int:
+    """Bytes from an int, '123', '512MiB', '64GiB', '1.5GB' or '40%' (of memory), in [low, high].
+
+    `what` names the setting in the error (e.g. "OFFCACHE_PINNED_LIMIT"). A unitless number
+    must be whole bytes: '0.9' is refused, not read as 0 bytes or as 90%.
     """
     if isinstance(text, bool) or not isinstance(text, (int, str)):
-        raise TypeError(f"{what} must be {_SIZE_FORMS}; got {text!r} ({type(text).__name__})")
+        hint = f"; {_fraction_hint(text)}" if isinstance(text, float) and 0 < text <= 1 else ""
+        raise TypeError(f"{what} must be {_SIZE_FORMS}; got {text!r} ({type(text).__name__}){hint}")
     if isinstance(text, int):
         n = text
     else:
@@ -120,25 +244,36 @@ def parse_size(text: str | int, what: str = "a size") -> int:
             except ValueError:
                 pct = float("nan")
             if not 0 < pct <= 100:
-                raise ValueError(f"{what}: a percentage of RAM must be in (0, 100], got {text!r}")
-            return int(total_ram_bytes() * pct / 100)
-        m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-z]*)", s)
-        if not m or m[2] not in _UNITS:
-            raise ValueError(f"{what}: cannot read {text!r} as a size; use {_SIZE_FORMS}")
-        n = int(float(m[1]) * _UNITS[m[2]])
-    if not 0 <= n <= _SIZE_MAX:
-        raise ValueError(f"{what} must be between 0 and 2**64 - 1 bytes, got {text!r}")
+                raise ValueError(f"{what}: a percentage of memory must be in (0, 100], got {text!r}")
+            n = int(usable_memory_bytes() * pct / 100)
+        else:
+            m = _NUMBER.fullmatch(s)
+            if not m or m[2] not in _UNITS:
+                raise ValueError(f"{what}: cannot read {text!r} as a size; use {_SIZE_FORMS}")
+            number, unit = Decimal(m[1]), _UNITS[m[2]]
+            if unit == 1 and number != number.to_integral_value():
+                if 0 < number <= 1:
+                    raise ValueError(f"{what}: got {text!r}; {_fraction_hint(number)}")
+                raise ValueError(f"{what}: {text!r} is not a whole number of bytes; use {_SIZE_FORMS}")
+            n = int(number * unit)
+    if not low <= n <= high:
+        bounds = "2**64 - 1 bytes" if high == _SIZE_MAX else f"{high} bytes ({_human(high)})"
+        raise ValueError(f"{what} must be between {low} and {bounds}, got {text!r}")
     return n
 
 
-def _parse_int(text: str | int, what: str, low: int = 0) -> int:
-    try:
-        n = int(text)
-    except (TypeError, ValueError):
-        raise ValueError(f"{what} must be an integer >= {low}, got {text!r}") from None
-    if isinstance(text, float) or n < low:
-        raise ValueError(f"{what} must be an integer >= {low}, got {text!r}")
-    return n
+def _parse_int(text: str | int, what: str, low: int = 0, high: int | None = None) -> int:
+    """A whole number in [low, high] from an int or a decimal string (no bools, floats or '1e3')."""
+    accepted = f"an integer >= {low}" if high is None else f"an integer between {low} and {high}"
+    if isinstance(text, bool) or not isinstance(text, (int, str)):
+        raise TypeError(f"{what} must be {accepted}, got {text!r} ({type(text).__name__})")
+    if isinstance(text, str):
+        if not re.fullmatch(r"\s*[0-9]+\s*", text):
+            raise ValueError(f"{what} must be {accepted}, got {text!r}")
+        text = int(text)
+    if text < low or (high is not None and text > high):
+        raise ValueError(f"{what} must be {accepted}, got {text!r}")
+    return text
 
 
 def local_world_size() -> int:
@@ -147,41 +282,156 @@ def local_world_size() -> int:
     return _parse_int(raw, "LOCAL_WORLD_SIZE (set by torchrun: processes on this host)", low=1)
 
 
+def memory_share(value: str | int, what: str) -> int:
+    """A memory limit for this process: bytes as given; a percentage of memory divided among the local ranks.
+
+    The ranks of a torchrun job on one host share its memory (and its cgroup), so '50%' means
+    half of it for all of them together, not for each.
+    """
+    n = parse_size(value, what)
+    return n // local_world_size() if isinstance(value, str) and value.strip().endswith("%") else n
+
+
 def default_pinned_limit() -> int:
-    """40% of RAM, shared among the local ranks of a torchrun/DDP job.
+    """DEFAULTS' share of usable memory, divided among the local ranks of a torchrun/DDP job.
 
     Several processes pinning independently can exhaust the host (llm-compressor
     #2790), so each rank takes its share.
     """
-    return parse_size(DEFAULTS["pinned_limit"]) // local_world_size()
+    return memory_share(DEFAULTS["pinned_limit"], "the default pinned_limit")
 
 
 def default_host_limit() -> int:
-    """75% of RAM, shared among the local ranks like the pinned budget."""
-    return parse_size(DEFAULTS["host_limit"]) // local_world_size()
+    """DEFAULTS' share of usable memory, divided among the local ranks like the pinned budget."""
+    return memory_share(DEFAULTS["host_limit"], "the default host_limit")
 
 
-def _disk_dir(given: str | os.PathLike | None, name: str) -> str:
-    """The disk tier's folder, checked now so a bad path fails at configure, not mid-run."""
-    path = os.fspath(given) if given else ""
-    if not path:
-        return ""
+# File systems whose "files" are memory: a disk tier there would spend the memory it saves.
+_MEMORY_FS = frozenset({"tmpfs", "ramfs", "devtmpfs", "hugetlbfs", "rootfs"})
+_AUTO_MIN_FREE = 1 << 30  # less free disk than this is no tier worth having
+
+
+def filesystem_type(path: str, proc: str = "/proc/self") -> str:
+    """The type of the file system holding `path` (the longest mount point above it), or ''."""
+    real = os.path.realpath(path)
+    best, kind = "", ""
+    for _, point, fs, _ in mounts(proc):
+        if (real + "/").startswith(point.rstrip("/") + "/") and len(point) >= len(best):
+            best, kind = point, fs
+    return kind
+
+
+def auto_disk_dir(environ=None, proc: str = "/proc/self") -> tuple[str, str]:
+    """OFFCACHE_DISK_DIR=auto: (folder, '') or ('', why no folder is usable).
+
+    The folder is $XDG_CACHE_HOME/offcache, else ~/.cache/offcache, made private (0700)
+    if new; usable where it is writable, on a real disk (not tmpfs/ramfs) and has at least
+    1GiB free. The engine uses it only past the host limit, in files unlinked at once.
+    """
+    environ = os.environ if environ is None else environ
+    xdg = (environ.get("XDG_CACHE_HOME") or "").strip()
+    base = xdg if os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")  # XDG: relative is ignored
+    if not os.path.isabs(base):
+        return "", "no home folder and no absolute XDG_CACHE_HOME"
+    folder = os.path.join(base, "offcache")
+    existing = folder
+    while not os.path.exists(existing):  # checked before anything is made there
+        existing = os.path.dirname(existing)
+    fs = filesystem_type(existing, proc)
+    if fs in _MEMORY_FS:
+        return "", f"{folder} is on {fs}, which is memory, not disk"
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+    except OSError as exc:
+        return "", f"cannot make {folder}: {exc.strerror or exc}"
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+        return "", f"cannot write to {folder}"
+    fs = filesystem_type(folder, proc)  # again: the folder may be a link or a mount of its own
+    if fs in _MEMORY_FS:
+        return "", f"{folder} is on {fs}, which is memory, not disk"
+    try:
+        st = os.statvfs(folder)
+    except OSError as exc:
+        return "", f"cannot read the free space of {folder}: {exc.strerror or exc}"
+    free = st.f_bavail * st.f_frsize
+    if free < _AUTO_MIN_FREE:
+        return "", f"{folder} has only {_human(free)} free (auto needs at least {_human(_AUTO_MIN_FREE)})"
+    return folder, ""
+
+
+_DISK_FORMS = "'auto' (the default), 'none' (no disk tier) or an existing folder"
+
+
+def _disk_dir(given: str | os.PathLike, name: str) -> tuple[str, str]:
+    """(the disk tier's folder or '', why auto found none): checked now, not mid-run."""
+    if isinstance(given, (bool, int, float)) or not isinstance(given, (str, os.PathLike)):
+        raise TypeError(f"{name} must be {_DISK_FORMS}, got {given!r}")
+    path = os.fspath(given)
+    if not isinstance(path, str) or not path.strip():
+        raise ValueError(f"{name} must be {_DISK_FORMS}, got {given!r}")
+    word = path.strip().lower() if isinstance(given, str) else ""
+    if word == "none":
+        return "", ""
+    if word == "auto":
+        return auto_disk_dir()
     path = os.path.abspath(path)
     if not os.path.isdir(path):
-        raise ValueError(f"{name}: {path!r} is not a folder (make it first)")
+        raise ValueError(f"{name}: {path!r} is not a folder (make it first, or use {_DISK_FORMS})")
     if not os.access(path, os.W_OK | os.X_OK):
         raise ValueError(f"{name}: cannot write to {path!r}")
-    return path
+    return path, ""
+
+
+# What the last configure() resolved (the engine's view of it, for stats() and error messages).
+_resolved: dict = {}
+
+
+def capacity() -> tuple[int, str]:
+    """Bytes offcache can hold on the host and disk, and a description of them for messages."""
+    host = _resolved.get("host_limit", 0)
+    disk = _resolved.get("disk_dir", "")
+    where = f"the host limit ({host} bytes, OFFCACHE_HOST_LIMIT)"
+    if not disk:
+        reason = _resolved.get("disk_auto_reason")
+        return host, where + (f" with no disk tier (OFFCACHE_DISK_DIR=auto found no folder: {reason})" if reason
+                              else " with no disk tier (OFFCACHE_DISK_DIR=none)")  # fmt: skip
+    try:
+        st = os.statvfs(disk)
+        free = st.f_bavail * st.f_frsize
+    except OSError:
+        free = 0
+    return host + free, where + f" plus the disk tier's free space ({free} bytes in {disk})"
+
+
+def settings() -> dict:
+    """The engine's configuration as resolved: bytes, the backend, and the disk tier.
+
+    disk_dir is '' without a disk tier; disk_auto_reason says why OFFCACHE_DISK_DIR=auto found
+    no usable folder ('' otherwise).
+    """
+    return dict(_resolved)
 
 
 def _setting(name: str, given):
-    """An argument, else its environment variable, else the default; with the name for errors."""
+    """An argument, else its environment variable, else the default; with the name for errors.
+
+    An empty or blank variable counts as unset (``export OFFCACHE_X=`` is a common way to clear one).
+    """
     if given is not None:
         return given, f"configure({name}=...)"
     env = os.environ.get(_ENV[name])
-    if env:
+    if env and env.strip():
         return env, _ENV[name]
     return DEFAULTS[name], f"the default {name}"
+
+
+_BACKENDS = ("auto", "cuda", "host")
+
+
+def _backend(value, name: str) -> str:
+    if not isinstance(value, str) or value.strip().lower() not in _BACKENDS:
+        raise ValueError(f"{name} must be one of 'auto', 'cuda' or 'host', got {value!r}")
+    return value.strip().lower()
 
 
 def configure(
@@ -198,38 +448,43 @@ def configure(
     Tensors stored earlier keep working: the engine that made them serves them until the
     last one dies, then stops its threads and gives its memory back.
 
-    With a `disk_dir`, values stored once offcache holds `host_limit` bytes of host memory
-    (pinned + pageable) go to files there instead; without one nothing goes to disk.
+    Values stored once offcache holds `host_limit` bytes of host memory (pinned + pageable)
+    go to files in the disk tier (`disk_dir`: 'auto', 'none' or a folder); with none, the
+    store that would cross the limit raises HostLimitError.
+    Every value is checked here, in Python, so a bad one names its variable and the
+    accepted forms and nothing reaches the engine.
     """
-    backend, _ = _setting("backend", backend)
+    backend, backend_name_ = _setting("backend", backend)
     limit, limit_name = _setting("pinned_limit", pinned_limit)
     chunk, chunk_name = _setting("min_chunk", min_chunk)
     flight, flight_name = _setting("max_in_flight", max_in_flight)
     delay, delay_name = _setting("host_copy_delay_us", host_copy_delay_us)
     disk, disk_name = _setting("disk_dir", disk_dir)
     host, host_name = _setting("host_limit", host_limit)
-    host_bytes = default_host_limit() if host_name == "the default host_limit" else parse_size(host, host_name)
-    if limit_name == "the default pinned_limit":
-        limit_bytes = default_pinned_limit()
-    else:
-        limit_bytes = parse_size(limit, limit_name)
-    chunk_bytes = parse_size(chunk, chunk_name)
-    if chunk_bytes == 0:
-        raise ValueError(f"{chunk_name} must be at least 1 byte, got {chunk!r}")
-    _C.configure(
-        backend=str(backend),
+    host_bytes = memory_share(host, host_name)
+    limit_bytes = memory_share(limit, limit_name)
+    settings = dict(
+        backend=_backend(backend, backend_name_),
         pinned_limit=limit_bytes,
-        min_chunk=chunk_bytes,
+        min_chunk=parse_size(chunk, f"{chunk_name} (smallest arena chunk)", low=1, high=_MAX_CHUNK),
         max_in_flight=parse_size(flight, flight_name),
-        host_copy_delay_us=_parse_int(delay, f"{delay_name} (microseconds)"),
-        disk_dir=_disk_dir(disk, disk_name),
+        host_copy_delay_us=_parse_int(delay, f"{delay_name} (microseconds)", high=_MAX_DELAY_US),
         host_limit=host_bytes,
     )
+    disk_path, auto_reason = _disk_dir(disk, disk_name)
+    _C.configure(disk_dir=disk_path, **settings)
+    _resolved.clear()
+    _resolved.update(settings, disk_dir=disk_path, disk_auto_reason=auto_reason)
 
 
 def set_pinned_limit(limit: str | int) -> None:
-    """Set the pinned budget (bytes, '64GiB', '40%'). Values past it spill to pageable memory."""
-    _C.set_pinned_limit(parse_size(limit, "set_pinned_limit(limit)"))
+    """Set the pinned budget (bytes, '64GiB', '40%' of memory for the local ranks together).
+
+    Values past it spill to pageable memory.
+    """
+    n = memory_share(limit, "set_pinned_limit(limit)")
+    _C.set_pinned_limit(n)
+    _resolved["pinned_limit"] = n
 
 
 def stats() -> dict:
@@ -237,7 +492,8 @@ def stats() -> dict:
 
     Disk tier: disk_bytes (in use), disk_reserved_bytes (files' size), disk_files,
     disk_write_bytes / disk_read_bytes and disk_write_seconds / disk_read_seconds (I/O thread
-    time), disk_fallbacks (direct I/O refused: buffered I/O instead), host_limit_bytes.
+    time), disk_fallbacks (direct I/O refused: buffered I/O instead), host_limit_bytes (with or
+    without a disk tier).
     """
     return _C.stats()
 

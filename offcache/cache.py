@@ -8,6 +8,7 @@ engine's H2D stream instead of a Python thread.
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict, deque
 from collections.abc import Iterator
 from typing import Any
@@ -85,8 +86,12 @@ class IntermediatesCache:
         """A cache holding every batch of `dataloader`, onloaded to `model_device` on fetch."""
         cache = cls(None, offload_device)
         onload = _as_device(model_device, "model_device")
+        try:
+            total = len(dataloader)
+        except TypeError:  # an iterable dataset: no length, no projection
+            total = 0
         for batch in tqdm(dataloader, desc="Preparing cache"):
-            cache.batch_intermediates.append(cache._offload_many(batch, onload, len(cache)))
+            cache.batch_intermediates.append(cache._offload_many(batch, onload, len(cache), total))
         return cache
 
     # the llm-compressor API ----------------------------------------------------------
@@ -99,7 +104,7 @@ class IntermediatesCache:
     def update(self, batch_index: int, values: dict[str, Any]) -> None:
         """Store `values` in batch `batch_index`, replacing existing names."""
         batch = self._batch(batch_index)
-        batch.update(self._offload_many(values, None, batch_index))
+        batch.update(self._offload_many(values, None, batch_index, len(self.batch_intermediates)))
 
     def delete(self, batch_index: int, consumed_names: list[str] | None = None) -> None:
         """Delete names from a batch (all by default); a missing name raises KeyError."""
@@ -183,6 +188,22 @@ class IntermediatesCache:
     def __len__(self) -> int:
         return len(self.batch_intermediates)
 
+    def __contains__(self, key: Any) -> bool:
+        """``(batch_index, name) in cache``: that batch holds that name; ``i in cache``: batch i exists.
+
+        llm-compressor 0.14's class has no ``__contains__``, so ``in`` falls back to ``__iter__``:
+        it fetches every batch and compares whole dicts with the key, silently False for the
+        keys its open PR #2664 would ask about. Here nothing is fetched.
+        """
+        if isinstance(key, tuple) and len(key) == 2:
+            batch_index, name = key
+            if isinstance(batch_index, int) and not isinstance(batch_index, bool):
+                n = len(self.batch_intermediates)
+                return -n <= batch_index < n and name in self.batch_intermediates[batch_index]
+        elif isinstance(key, int) and not isinstance(key, bool):
+            return -len(self.batch_intermediates) <= key < len(self.batch_intermediates)
+        raise TypeError(f"`in` on an IntermediatesCache takes (batch_index, name) or a batch index, got {key!r}")
+
     @classmethod
     def _onload_value(cls, intermediate: IntermediateValue) -> Any:
         """The value of one IntermediateValue, with its tensors onloaded."""
@@ -221,25 +242,74 @@ class IntermediatesCache:
             items = [(k, iv) for k, iv in items if k in input_names]
         return [k for k, _ in items], [iv for _, iv in items]
 
-    def _offload_many(self, values: dict[str, Any], onload: torch.device | None, batch_index: int):
+    def _offload_many(self, values: dict[str, Any], onload: torch.device | None, batch_index: int, batches: int = 0):
         leaves: list[IntermediateValue] = []
         out = {name: plan(v, onload, leaves, f"batch {batch_index}, value {name!r}") for name, v in values.items()}
-        _store(leaves, self.offload_device)
+        _store(leaves, self.offload_device, lambda: f"batch {batch_index} (values {', '.join(map(repr, values))})")
+        if batches > 1 and leaves and self.offload_device is not None and self.offload_device.type == "cpu":
+            self._project(values, leaves, batch_index, batches)
         return out
+
+    def _project(self, values: dict, leaves: list[IntermediateValue], batch_index: int, batches: int) -> None:
+        """The early warning: one batch of a new set of names, times the number of batches.
+
+        In the sequential pipeline each subgraph stores outputs under new names, so the first
+        update() of a subgraph projects its total. It warns at once (CapacityWarning) when that
+        exceeds the host limit plus the disk tier's free space, instead of failing hours later.
+        """
+        if self.__dict__.get("_capacity_warned"):
+            return
+        key = frozenset(values)
+        projected = self.__dict__.setdefault("_projected", set())
+        if key in projected:
+            return
+        projected.add(key)
+        batch_bytes = sum(leaf._value.nbytes for leaf in leaves)
+        total = batch_bytes * batches
+        room, where = _engine.capacity()
+        if total <= room:
+            return
+        self._capacity_warned = True
+        names = ", ".join(map(repr, values))
+        warnings.warn(
+            f"offcache: batch {batch_index}'s values ({names}) hold {batch_bytes} bytes; for {batches} batches "
+            f"that is {total} bytes ({_engine._human(total)}), more than {where} ({room} bytes together): the run "
+            f"would fail when the cache fills. Set OFFCACHE_DISK_DIR to a folder on a disk with "
+            f"{_engine._human(total)} free, raise OFFCACHE_HOST_LIMIT if the memory is there, or calibrate with "
+            "fewer samples or shorter sequences (python -m offcache.plan estimates a run before it starts)",
+            _engine.CapacityWarning,
+            stacklevel=4,
+        )
 
     def _onload(self, names: list[str], ivs: list[IntermediateValue], wait: bool):
         values, tickets = _onload_ivs(ivs, wait)
         return dict(zip(names, values)), tickets
 
 
-def _store(leaves: list[IntermediateValue], offload_device: torch.device | None) -> None:
-    """Replace each leaf's source tensor by its stored copy (one engine call)."""
+def _store(leaves: list[IntermediateValue], offload_device: torch.device | None, where=lambda: "the value") -> None:
+    """Replace each leaf's source tensor by its stored copy (one engine call); `where()` names them in errors."""
     if offload_device is None or not leaves:
         return
-    stored = _engine.store([leaf._value for leaf in leaves], offload_device)
+    try:
+        stored = _engine.store([leaf._value for leaf in leaves], offload_device)
+    except _engine.HostLimitError as exc:
+        raise _host_limit_error(exc, where()) from exc
     for leaf, value in zip(leaves, stored):
         leaf._value, leaf._pending = value, True
     _engine.warn_if_spilled(stacklevel=4)  # the caller of update() / append() / from_dataloader()
+
+
+def _host_limit_error(exc: BaseException, where: str) -> BaseException:
+    """The engine's HostLimitError, naming what was stored and, for auto, why there is no disk tier."""
+    message = f"{where}: {exc}"
+    reason = _engine.settings().get("disk_auto_reason")
+    if reason:
+        message += f". OFFCACHE_DISK_DIR=auto found no folder: {reason}"
+    message += ". Nothing stored earlier is lost."
+    try:
+        return type(exc)(message)
+    except Exception:  # an exception type that takes other arguments
+        return _engine._HostLimitError(message)
 
 
 def _onload_ivs(ivs: list[IntermediateValue], wait: bool) -> tuple[list[Any], list]:

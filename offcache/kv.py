@@ -1,4 +1,4 @@
-"""KV-cache size and cost arithmetic, and ``python -m offcache.kv size``.
+"""KV-cache size and cost arithmetic, and ``python -m offcache.plan kv`` (alias: ``python -m offcache.kv size``).
 
 kv_bytes = 2 (K and V) x layers x batch x tokens x kv_heads x head_dim x bytes per value
 

@@ -2,7 +2,8 @@
 
 Tensors may sit at any depth of dataclasses (frozen too), tuples (namedtuples
 stay namedtuples), lists and dicts (dict subclasses such as transformers'
-ModelOutput keep their type). Other leaves are kept as they are.
+ModelOutput keep their type). Other leaves, and containers that hold no tensor, are kept
+as they are: the same object comes back.
 
 Containers are taken apart in one place, ``walk``: it gives a container's
 children and a function that builds the same kind of container around new
@@ -297,7 +298,14 @@ def plan(value: Any, onload: torch.device | None, leaves: list, where: str) -> I
             warnings.warn(f"Offloading not implemented for type {type(value)}.", stacklevel=4)
         return IntermediateValue(value, None)
     items, build = walked
-    return IntermediateValue(build([plan(v, onload, leaves, where) for v in items]), None)
+    before = len(leaves)
+    planned = [plan(v, onload, leaves, where) for v in items]
+    if len(leaves) == before:
+        # No tensor inside: kept as the very object, as llm-compressor keeps non-tensor values.
+        # Rebuilding it could lose what its fields do not hold (a PretrainedConfig's attribute
+        # map and properties) or be refused by its validation.
+        return IntermediateValue(value, None)
+    return IntermediateValue(build(planned), None)
 
 
 def _plan_subclass(t: Tensor, onload, leaves: list, where: str) -> WrapperSubclass | PlainSubclass:
@@ -357,6 +365,8 @@ def rebuild(iv: IntermediateValue, fetched) -> Any:
     if walked is None:
         return value
     items, build = walked
+    if not any(isinstance(v, IntermediateValue) for v in items):
+        return value  # a value that held no tensor, kept as it was given (see plan)
     return build([rebuild(v, fetched) if isinstance(v, IntermediateValue) else v for v in items])
 
 

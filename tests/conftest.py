@@ -1,17 +1,22 @@
 """Shared fixtures. GPU tests are marked `gpu` and skipped here, in one place."""
 
 import atexit
+import os
 import shutil
 import tempfile
 
 import pytest
 import torch
 
-import offcache
-
 # The disk tier's folder for this test session (its files have no names; the folder is removed at exit).
 DISK_DIR = tempfile.mkdtemp(prefix="offcache-tests-disk-")
 atexit.register(shutil.rmtree, DISK_DIR, True)
+# OFFCACHE_DISK_DIR=auto (the default) uses $XDG_CACHE_HOME/offcache: the tests' own, not the user's.
+XDG_CACHE_HOME = tempfile.mkdtemp(prefix="offcache-tests-xdg-")
+atexit.register(shutil.rmtree, XDG_CACHE_HOME, True)
+os.environ["XDG_CACHE_HOME"] = XDG_CACHE_HOME
+
+import offcache  # noqa: E402  (after XDG_CACHE_HOME: it configures the engine at import)
 
 # The engine configurations the model-based tests run under, by id.
 ENGINE_CONFIGS = {

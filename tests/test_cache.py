@@ -515,3 +515,38 @@ def test_data_swap_is_not_served_from_the_dedup_table():
     cache.update(1, {"x": x})
     assert torch.equal(cache.fetch(0)["x"], torch.zeros(8))
     assert_same(cache.fetch(1)["x"], torch.ones(3, dtype=torch.float64))
+
+
+# Issue 17 item 18: a transformers config travels between subgraphs (sequential_targets=["Linear"]).
+CONFIGS = ["Qwen3MoeConfig", "Phi3Config", "LlamaConfig", "MixtralConfig", "Qwen2MoeConfig", "Gemma3Config"]
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_a_model_config_comes_back_as_the_same_object(engine, name):
+    import transformers
+
+    config = getattr(transformers, name)()
+    cache = IntermediatesCache.empty(2, "cpu")
+    x = torch.randn(3, 4)
+    cache.update(0, {"config": config, "hidden_states": x})
+    cache.update(1, {"kwargs": {"config": config, "mask": x > 0}, "meta": (config.to_dict(), [1, "a"])})
+    got, other = cache.fetch(0), cache.fetch(1)
+    assert got["config"] is config and torch.equal(got["hidden_states"], x)
+    assert other["kwargs"]["config"] is config and torch.equal(other["kwargs"]["mask"], x > 0)
+    assert other["meta"] is cache.batch_intermediates[1]["meta"].value  # no tensor inside: kept as given
+    text = config.get_text_config()
+    for attr in ("num_local_experts", "num_experts", "hidden_size"):  # attribute maps and properties still work
+        if hasattr(text, attr):
+            assert getattr(got["config"].get_text_config(), attr) == getattr(text, attr)
+    assert list(cache.iter_prefetch())[0]["config"] is config
+
+
+def test_containers_that_hold_tensors_are_rebuilt_and_the_rest_kept(engine):
+    shared = {"a": [1, 2], "b": "text"}
+    value = {"plain": shared, "mixed": (shared, torch.ones(2)), "empty": []}
+    cache = IntermediatesCache.empty(1, "cpu")
+    cache.update(0, {"v": value})
+    got = cache.fetch(0)["v"]
+    assert got is not value and got["mixed"] is not value["mixed"]  # holds a tensor: a new container
+    assert got["plain"] is shared and got["mixed"][0] is shared and got["empty"] is value["empty"]
+    assert torch.equal(got["mixed"][1], torch.ones(2))

@@ -125,7 +125,7 @@ def test_placement_first_come_stays_in_memory(engine_config, disk_dir):
 
 
 def test_no_disk_dir_nothing_goes_to_disk(engine_config):
-    engine_config(backend="host", pinned_limit="1MiB", host_limit=4 * MiB)
+    engine_config(backend="host", pinned_limit="1MiB", host_limit=4 * MiB, disk_dir="none")
     x = torch.randn(MiB)  # 4 MiB: past the pinned budget, spilled, within the host limit
     stored = _engine.store([x], CPU)
     assert not _engine.is_disk_tensor(stored[0])
@@ -137,7 +137,7 @@ def test_no_disk_dir_nothing_goes_to_disk(engine_config):
 def test_past_the_host_limit_without_a_disk_tier_is_a_memory_error(engine_config):
     # The host limit holds without a disk dir too: the store that would cross it raises a
     # MemoryError naming the bytes and the variables, and every earlier value is intact.
-    engine_config(backend="host", pinned_limit="1MiB", host_limit=6 * MiB)
+    engine_config(backend="host", pinned_limit="1MiB", host_limit=6 * MiB, disk_dir="none")
     kept = [torch.full((MiB // 4,), float(i)) for i in range(5)]  # 5 x 1 MiB
     stored = _engine.store(kept, CPU)
     want = r"storing 4194304 more bytes.*host limit of 6291456.*OFFCACHE_HOST_LIMIT.*OFFCACHE_DISK_DIR"
@@ -287,8 +287,8 @@ def test_default_host_limit_is_shared_among_local_ranks(engine_config, disk_dir,
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.delenv("OFFCACHE_HOST_LIMIT", raising=False)
     engine_config(backend="host", disk_dir=disk_dir)
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    assert offcache.stats()["host_limit_bytes"] == int(ram * 0.75) // 4
+    memory = min(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), _engine.cgroup_memory_limit() or 2**64)
+    assert offcache.stats()["host_limit_bytes"] == int(memory * 0.25) // 4
 
 
 def test_values_of_a_replaced_engine_still_fetch(engine_config, disk_dir, tmp_path):

@@ -93,3 +93,47 @@ def test_patch_is_idempotent_and_reversible():
         offcache.unpatch_llmcompressor()
     for module in (lc_cache, seq, awq):
         assert module.IntermediatesCache is original
+
+
+def test_the_planners_cache_peak_matches_the_measured_one(tiny_model_dir, engine_config):
+    from offcache import plan
+
+    engine_config(backend="host")  # a fresh engine: its peaks are this run's
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        offcache.patch_llmcompressor()
+        quantize(tiny_model_dir, prefetch=False)
+    finally:
+        offcache.unpatch_llmcompressor()
+        torch.set_num_threads(threads)
+    s = offcache.stats()
+    measured = s["peak_pinned_in_use_bytes"] + s["peak_pageable_bytes"]
+    config = transformers.AutoConfig.from_pretrained(tiny_model_dir)
+    predicted = plan.estimate(config, samples=6, seq_len=24, dtype="float32", onload="cpu").cache_peak_bytes
+    assert abs(predicted - measured) <= 0.1 * measured, (predicted, measured)
+
+
+def test_the_early_warning_fires_at_the_first_batch_of_the_sequential_pipeline(tiny_model_dir, engine_config):
+    import warnings
+
+    # Subgraph 0 stores 20928 bytes per batch: 6 batches cannot fit 64 KiB with no disk tier.
+    engine_config(backend="host", pinned_limit="64KiB", min_chunk="64KiB", host_limit="64KiB", disk_dir="none")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            offcache.patch_llmcompressor()
+            try:
+                quantize(tiny_model_dir, prefetch=False)
+            except offcache.HostLimitError:  # an engine that holds the host limit stops the run later
+                assert hasattr(offcache._C, "HostLimitError")
+    finally:
+        offcache.unpatch_llmcompressor()
+        torch.set_num_threads(threads)
+    capacity = [w for w in record if issubclass(w.category, offcache.CapacityWarning)]
+    assert len(capacity) == 1, [str(w.message) for w in record]
+    text = str(capacity[0].message)
+    assert "batch 0's values" in text and f"for 6 batches that is {6 * 20928} bytes" in text
+    assert "OFFCACHE_DISK_DIR" in text and "OFFCACHE_HOST_LIMIT" in text

@@ -24,3 +24,17 @@ def test_readme_commands_are_the_ones_ci_runs():
     tests = "bash scripts/setup.sh && bash scripts/test.sh"
     assert main_job in text and tests in text
     assert main_job in ci and tests in ci
+
+
+def test_readme_plan_output_is_what_the_planner_prints(capsys):
+    from offcache import plan
+
+    block = re.search(r"```console\n\$ python -m offcache\.plan ([^\n]*)\n(.*?)\n```", README.read_text(), re.DOTALL)
+    assert block, "the README shows no python -m offcache.plan run"
+    assert plan.main(block[1].split()) == 0
+    printed = capsys.readouterr().out.splitlines()
+    shown = block[2].splitlines()
+    # This machine's lines depend on the machine; every other line is the planner's arithmetic.
+    machine = ("This machine:", "  the peak would use:")
+    assert [x for x in shown if not x.startswith(machine)] == [x for x in printed if not x.startswith(machine)]
+    assert len(shown) == len(printed)

@@ -112,5 +112,9 @@ def test_unknown_leaves_warn_once_each():
         pass
 
     with pytest.warns(UserWarning, match="Offloading not implemented"):
-        iv = plan((Thing(),), None, [], "value")
+        iv = plan((Thing(), torch.ones(1)), None, [], "value")
     assert isinstance(iv._value[0]._value, Thing)
+    value = (Thing(),)
+    with pytest.warns(UserWarning, match="Offloading not implemented"):
+        iv = plan(value, None, [], "value")
+    assert iv._value is value  # no tensor inside: kept as it is
