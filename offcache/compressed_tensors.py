@@ -1,0 +1,457 @@
+"""compressed-tensors' offloaded model weights on the offcache engine.
+
+``offcache.patch_llmcompressor(weights=True)`` calls ``patch()`` here:
+
+- ``OffloadCache.cls_from_device`` returns ``OffcacheCPUCache`` for a non-distributed
+  ``"cpu"`` offload (the class ``offload_module`` builds every module's cache from).
+  Distributed runs keep compressed-tensors' classes: they share one copy of the weights
+  per node through /dev/shm, where a per-rank arena would pin one copy per rank.
+- ``OffcacheCPUCache`` is compressed-tensors' ``CPUCache`` with its three device moves on
+  the engine: ``offload`` snapshots into the pinned arena, ``onload`` is an engine fetch
+  (the consumer's stream waits on an event, the host does not), ``update_offload`` an
+  asynchronous copy back into the same arena block. Everything else (``__getitem__``,
+  ``keep_onloaded_values``, the ``disable_*`` contexts, ``__delitem__``) is the base class's.
+- The sequential pipeline's subgraphs are learnt by wrapping ``trace_subgraphs``: after the
+  first forward of subgraph *i*, the weights of subgraphs *i+1 .. i+k* are fetched on the
+  engine's stream (``OFFCACHE_WEIGHT_PREFETCH``, default k=1; 0 turns prefetch off). An
+  onload of a prefetched tensor hands out the prefetched copy. Prefetched copies die at the
+  end of the ``disable_offloading()`` context of the subgraph they were fetched for.
+
+Write-backs are visible to every later read: an onload or a fetch is ordered after them on
+the engine's streams, a read of the offloaded tensor through ``__getitem__`` under
+``disable_onloading()`` waits for them, and every write-back has landed when the outermost
+``disable_offloading()`` context ends (and at once for an update outside one). A host read
+of ``offloaded_values`` directly, inside the context, may see the old bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from compressed_tensors.offload.cache.base import OffloadCache
+from compressed_tensors.offload.cache.cpu import CPUCache
+from compressed_tensors.offload.cache.utils import catch_cpu_mem_error
+
+from offcache import _engine
+
+__all__ = [
+    "OffcacheCPUCache",
+    "is_patched",
+    "patch",
+    "prefetch",
+    "prefetch_depth",
+    "subgraph_stats",
+    "unpatch",
+]
+
+log = logging.getLogger("offcache.weights")
+_CPU = torch.device("cpu")
+Tensor = torch.Tensor
+COUNTERS = _engine.WEIGHT_COUNTERS
+
+
+def prefetch_depth() -> int:
+    """Subgraphs whose weights are fetched ahead: OFFCACHE_WEIGHT_PREFETCH (0, 1 or k; default 1)."""
+    raw = os.environ.get("OFFCACHE_WEIGHT_PREFETCH", "").strip() or "1"
+    try:
+        k = int(raw)
+    except ValueError:
+        k = -1
+    if k < 0:
+        raise ValueError(f"OFFCACHE_WEIGHT_PREFETCH must be an integer >= 0, got {raw!r}")
+    return k
+
+
+# --- bookkeeping shared by every cache -------------------------------------------------------
+
+
+@dataclass
+class _Prefetched:
+    offloaded: Tensor  # held so that id(offloaded) stays the key's tensor
+    onloaded: Tensor
+    ticket: Any  # None: the copy was already on the device (an onloaded value reused)
+    device: torch.device
+    version: int  # offloaded._version when fetched: an in-place edit since makes it stale
+    target: int  # the subgraph it was fetched for; it dies with that subgraph's context
+    nbytes: int
+
+
+@dataclass
+class _Subgraph:
+    """What one outermost disable_offloading() context moved (``subgraph_stats()``)."""
+
+    index: int | None = None  # the pipeline subgraph that ran in it, if one did
+    onloaded_bytes: int = 0
+    prefetched_bytes: int = 0  # of onloaded_bytes, served by a prefetch
+    hits: int = 0
+    misses: int = 0
+    host_waits: int = 0
+    written_back_bytes: int = 0
+
+    def line(self) -> str:
+        hidden = self.prefetched_bytes / self.onloaded_bytes if self.onloaded_bytes else 1.0
+        return (
+            f"offcache weights, subgraph {self.index}: {self.onloaded_bytes / 2**20:.1f} MiB onloaded, "
+            f"{hidden:.0%} prefetched ({self.hits} hits, {self.misses} misses), "
+            f"{self.host_waits} host waits, {self.written_back_bytes / 2**20:.1f} MiB written back"
+        )
+
+
+@dataclass
+class _State:
+    prefetched: dict[int, _Prefetched] = field(default_factory=dict)
+    pending: dict[int, tuple[Tensor, Any]] = field(default_factory=dict)  # write-backs in flight
+    current: _Subgraph | None = None  # the open outermost disable_offloading() context
+    history: list[_Subgraph] = field(default_factory=list)
+
+
+_state = _State()
+
+
+def subgraph_stats() -> list[dict]:
+    """Per outermost ``disable_offloading()`` context since ``patch()``: bytes, hits, misses, waits."""
+    return [vars(s).copy() for s in _state.history]
+
+
+def _wait(ticket, device: torch.device) -> None:
+    """Make the consumer wait for a fetch; only a CPU consumer (host backend) blocks the host."""
+    if device.type == "cpu" and not ticket.query():
+        t0 = time.perf_counter()
+        ticket.wait()
+        COUNTERS["weight_host_waits"] += 1
+        COUNTERS["weight_host_wait_seconds"] += time.perf_counter() - t0
+        if _state.current is not None:
+            _state.current.host_waits += 1
+    else:
+        ticket.wait()
+
+
+def _flush(offloaded: Tensor) -> None:
+    """Block until the write-back into `offloaded` (if any) has landed, for a host read."""
+    entry = _state.pending.pop(id(offloaded), None)
+    if entry is None or entry[0] is not offloaded:
+        return
+    if not entry[1].query():
+        t0 = time.perf_counter()
+        _engine.wait_stored(offloaded)
+        COUNTERS["weight_host_waits"] += 1
+        COUNTERS["weight_host_wait_seconds"] += time.perf_counter() - t0
+        if _state.current is not None:
+            _state.current.host_waits += 1
+
+
+def _flush_all() -> None:
+    for offloaded, _ in list(_state.pending.values()):
+        _flush(offloaded)
+
+
+def _like(new: Tensor, like: Tensor, onloaded: bool = False) -> Tensor:
+    """`new` with the tensor subclass and attributes of `like`, as compressed-tensors' send_tensors.
+
+    An onloaded copy does not require grad, as ``Tensor.to`` under no_grad gives it.
+    """
+    if onloaded and new.requires_grad:
+        new.requires_grad_(False)
+    if new.__class__ is not like.__class__:
+        new.__class__ = like.__class__
+    new.__dict__ = like.__dict__.copy()
+    return new
+
+
+def _drop_prefetched(offloaded: Tensor) -> None:
+    entry = _state.prefetched.pop(id(offloaded), None)
+    if entry is not None and entry.offloaded is not offloaded:  # an id reused: not ours to drop
+        _state.prefetched[id(offloaded)] = entry
+
+
+def _take_prefetched(offloaded: Tensor, device: torch.device) -> Tensor | None:
+    entry = _state.prefetched.pop(id(offloaded), None)
+    if entry is None:
+        return None
+    if entry.offloaded is not offloaded or entry.device != device or entry.version != offloaded._version:
+        return None  # stale (edited in place since) or for another device: fetch afresh
+    if entry.ticket is not None:
+        _wait(entry.ticket, device)
+    return entry.onloaded
+
+
+def _device_free_bytes(device: torch.device) -> int | None:
+    """Bytes a prefetch may take on `device`; None: no limit known (the host backend's CPU)."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    limit = total * torch.cuda.get_per_process_memory_fraction(device) - torch.cuda.memory_allocated(device)
+    # Headroom for the running subgraph's activations and GPTQ's Hessians: 10 % of the device.
+    return int(min(free + cached, limit) - 0.1 * total)
+
+
+# --- the cache class ---------------------------------------------------------------------------
+
+
+class OffcacheCPUCache(CPUCache):
+    """compressed-tensors' ``CPUCache``, its offload, onload and update on the offcache engine."""
+
+    @catch_cpu_mem_error
+    def offload(self, tensor: Tensor | None) -> Tensor | None:
+        """A snapshot of `tensor` in the pinned arena (a CPU tensor viewing arena memory).
+
+        The same tensor offloaded twice (tied weights) gives the same offloaded tensor: the
+        engine's dedup table serves the second store. An arena tensor is already offloaded.
+        """
+        if tensor is None:
+            return None
+        if _engine.is_arena_tensor(tensor):
+            return tensor
+        with torch.no_grad():
+            (stored,) = _engine.store([tensor], _CPU)
+        _engine.warn_if_spilled(stacklevel=3)
+        return _like(stored, tensor)
+
+    def onload(self, offloaded: Tensor | None) -> Tensor | None:
+        """A copy of `offloaded` on the onload device: the prefetched one if there is one."""
+        if offloaded is None:
+            return None
+        device = torch.device(self.onload_device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        nbytes = offloaded.nbytes
+        COUNTERS["weight_onload_bytes"] += nbytes
+        current = _state.current
+        onloaded = _take_prefetched(offloaded, device)
+        if onloaded is not None:
+            COUNTERS["weight_prefetch_hits"] += 1
+            if current is not None:
+                current.hits += 1
+                current.onloaded_bytes += nbytes
+                current.prefetched_bytes += nbytes
+            return onloaded
+        if _patched and prefetch_depth() > 0:
+            COUNTERS["weight_prefetch_misses"] += 1
+        if current is not None:
+            current.misses += 1
+            current.onloaded_bytes += nbytes
+        (fetched,), ticket = _engine.fetch([offloaded], device, wait=False)
+        _wait(ticket, device)
+        return _like(fetched, offloaded, onloaded=True)
+
+    @torch.no_grad()
+    def update_offload(self, offloaded: Tensor, data: Tensor | None) -> None:
+        """Copy `data` into `offloaded`'s arena block asynchronously (as ``offloaded.copy_(data)``).
+
+        The engine reads a private copy of `data` (taken now, on `data`'s device and current
+        stream) so that the caller may reuse `data` at once.
+        """
+        if data is None:
+            return
+        _drop_prefetched(offloaded)
+        _flush(offloaded)  # one write-back per block in flight: the last one wins
+        src = torch.empty_like(offloaded, device=data.device)
+        src.copy_(data)  # dtype cast and broadcast as Tensor.copy_ does
+        try:
+            ticket = _engine.copy_into([offloaded], [src], wait=False)
+        except ValueError:
+            # Not an arena block (a spilled value) or a layout copy_into refuses: copy directly.
+            _engine.synchronize()
+            offloaded.copy_(src)
+            return
+        COUNTERS["weight_writeback_bytes"] += offloaded.nbytes
+        if _state.current is not None:
+            _state.current.written_back_bytes += offloaded.nbytes
+        _state.pending[id(offloaded)] = (offloaded, ticket)
+        if _state.current is None:
+            _flush(offloaded)  # outside a patched context nothing marks an end: land it now
+
+    def __getitem__(self, key):
+        # Under disable_onloading() the caller reads the offloaded tensor on the host.
+        if self.onloading_disabled:
+            offloaded = self.offloaded_values[key]
+            if offloaded is not None:
+                _flush(offloaded)
+        return super().__getitem__(key)
+
+    def __delitem__(self, key):
+        offloaded = self.offloaded_values[key]
+        if offloaded is not None:
+            _drop_prefetched(offloaded)
+        super().__delitem__(key)
+
+
+# --- prefetch ----------------------------------------------------------------------------------
+
+
+def _offloaded_of(modules) -> list[tuple[OffcacheCPUCache, Tensor]]:
+    seen: set[int] = set()
+    out = []
+    for module in modules:
+        for cache in (module._parameters, module._buffers):
+            if not isinstance(cache, OffcacheCPUCache):
+                continue
+            for offloaded in cache.offloaded_values.values():
+                if offloaded is not None and id(offloaded) not in seen:
+                    seen.add(id(offloaded))
+                    out.append((cache, offloaded))
+    return out
+
+
+def prefetch(modules, target: int) -> int:
+    """Fetch the offloaded weights of `modules` ahead, for subgraph `target`; returns bytes issued.
+
+    A tensor already prefetched or onloaded (``keep_onloaded_values``) is not copied again.
+    When the device has no room, or the fetch fails, nothing is prefetched and the skip is
+    counted: a prefetch never fails a run.
+    """
+    by_device: dict[torch.device, list[Tensor]] = {}
+    keep = OffloadCache.keep_onloaded_values
+    for cache, offloaded in _offloaded_of(modules):
+        key = id(offloaded)
+        if key in _state.prefetched:
+            continue
+        device = torch.device(cache.onload_device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        onloaded = keep.get(offloaded)
+        if onloaded is not None and onloaded.device == device:
+            # On the device already, for this subgraph: keep it for the next one (no copy).
+            _state.prefetched[key] = _Prefetched(offloaded, onloaded, None, device, offloaded._version, target, 0)
+            continue
+        by_device.setdefault(device, []).append(offloaded)
+    issued = 0
+    for device, tensors in by_device.items():
+        nbytes = sum(t.nbytes for t in tensors)
+        free = _device_free_bytes(device)
+        if free is not None and nbytes > free:
+            COUNTERS["weight_prefetch_skips"] += 1
+            log.info("offcache weights: no room for a %d-byte prefetch on %s, skipped", nbytes, device)
+            continue
+        try:
+            fetched, ticket = _engine.fetch(tensors, device, wait=False)
+        except Exception as exc:  # noqa: BLE001  (an OOM or anything else: the onload will fetch)
+            COUNTERS["weight_prefetch_skips"] += 1
+            log.info("offcache weights: prefetch of %d bytes on %s skipped: %s", nbytes, device, exc)
+            continue
+        for offloaded, onloaded in zip(tensors, fetched):
+            copy = _like(onloaded, offloaded, onloaded=True)
+            entry = _Prefetched(offloaded, copy, ticket, device, offloaded._version, target, offloaded.nbytes)
+            _state.prefetched[id(offloaded)] = entry
+        COUNTERS["weight_prefetch_bytes"] += nbytes
+        issued += nbytes
+    return issued
+
+
+def _wrap_subgraphs(subgraphs: list) -> list:
+    """Give each subgraph a forward that prefetches the next subgraphs' weights after its first call."""
+    depth = prefetch_depth()
+    _state.prefetched.clear()  # a new pipeline run: nothing ahead belongs to it
+    issued_upto = [0]  # subgraphs [0, issued_upto) have been prefetched (or run)
+
+    for index, subgraph in enumerate(subgraphs):
+        forward = subgraph.forward
+
+        def prefetching_forward(model, *args, _index=index, _forward=forward, **kwargs):
+            current = _state.current
+            first = current is not None and current.index != _index
+            if current is not None:
+                current.index = _index
+            out = _forward(model, *args, **kwargs)
+            if first and depth > 0:
+                # This subgraph's weights are onloaded now: queue the next ones behind them.
+                start = max(issued_upto[0], _index + 1)
+                for ahead in range(start, min(len(subgraphs), _index + 1 + depth)):
+                    prefetch(subgraphs[ahead].submodules(model), target=ahead)
+                    issued_upto[0] = ahead + 1
+            return out
+
+        subgraph.forward = prefetching_forward
+    return subgraphs
+
+
+# --- patching ----------------------------------------------------------------------------------
+
+_patched = False
+_originals: dict[tuple[object, str], object] = {}
+
+
+def _cls_from_device(cls, device=None):
+    chosen = _originals[(OffloadCache, "cls_from_device")].__func__(cls, device)
+    if chosen is CPUCache:  # non-distributed "cpu" (distributed gives DistributedCPUCache)
+        return OffcacheCPUCache
+    return chosen
+
+
+@contextlib.contextmanager
+def _disable_offloading(cls):
+    if OffloadCache.offloading_disabled:  # nested: the outermost context owns the bookkeeping
+        with _originals[(OffloadCache, "disable_offloading")].__func__(cls):
+            yield
+        return
+    _state.current = record = _Subgraph()
+    failed = False
+    try:
+        with _originals[(OffloadCache, "disable_offloading")].__func__(cls):
+            yield
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        _state.current = None
+        _flush_all()
+        if failed:
+            _state.prefetched.clear()
+        elif record.index is not None:
+            for key, entry in list(_state.prefetched.items()):
+                if entry.target <= record.index:
+                    del _state.prefetched[key]
+        if record.onloaded_bytes or record.written_back_bytes:
+            _state.history.append(record)
+            if record.index is not None:
+                log.info(record.line())
+
+
+def _trace_subgraphs(*args, **kwargs):
+    return _wrap_subgraphs(_originals[("pipeline", "trace_subgraphs")](*args, **kwargs))
+
+
+def patch() -> None:
+    """Route compressed-tensors' non-distributed CPU weight offloading through offcache. Idempotent."""
+    global _patched
+    if _patched:
+        return
+    import llmcompressor.pipelines.sequential.pipeline as pipeline
+
+    _originals[(OffloadCache, "cls_from_device")] = OffloadCache.__dict__["cls_from_device"]
+    _originals[(OffloadCache, "disable_offloading")] = OffloadCache.__dict__["disable_offloading"]
+    _originals[("pipeline", "trace_subgraphs")] = pipeline.trace_subgraphs
+    OffloadCache.cls_from_device = classmethod(_cls_from_device)
+    OffloadCache.disable_offloading = classmethod(_disable_offloading)
+    pipeline.trace_subgraphs = _trace_subgraphs
+    _state.history.clear()
+    _patched = True
+
+
+def unpatch() -> None:
+    """Restore compressed-tensors' classes and the pipeline's trace_subgraphs.
+
+    Modules offloaded while patched keep their offcache caches (they work unpatched too).
+    """
+    global _patched
+    if not _patched:
+        return
+    OffloadCache.cls_from_device = _originals.pop((OffloadCache, "cls_from_device"))
+    OffloadCache.disable_offloading = _originals.pop((OffloadCache, "disable_offloading"))
+    pipeline = sys.modules["llmcompressor.pipelines.sequential.pipeline"]
+    pipeline.trace_subgraphs = _originals.pop(("pipeline", "trace_subgraphs"))
+    _flush_all()
+    _state.prefetched.clear()
+    _patched = False
+
+
+def is_patched() -> bool:
+    return _patched
