@@ -204,14 +204,19 @@ class OffcacheCPUCache(CPUCache):
         """A snapshot of `tensor` in the pinned arena (a CPU tensor viewing arena memory).
 
         The same tensor offloaded twice (tied weights) gives the same offloaded tensor: the
-        engine's dedup table serves the second store. An arena tensor is already offloaded.
+        engine's dedup table serves the second store. A tensor offcache holds (arena, spilled
+        or disk tier) is offloaded already and comes back as is, as CPUCache gives back a CPU one.
         """
         if tensor is None:
             return None
-        if _engine.is_arena_tensor(tensor):
+        if _engine.is_offcache_tensor(tensor):
             return tensor
         with torch.no_grad():
             (stored,) = _engine.store([tensor], _CPU)
+        # CPUCache's offload is readable on return (callers read it on the host, and the
+        # source may be the last copy of a loaded model's tensor): wait for it. Offloads happen
+        # once, when a model is dispatched; the pipeline's traffic is onloads and write-backs.
+        _engine.wait_stored(stored)
         _engine.warn_if_spilled(stacklevel=3)
         return _like(stored, tensor)
 
@@ -252,7 +257,6 @@ class OffcacheCPUCache(CPUCache):
         if data is None:
             return
         _drop_prefetched(offloaded)
-        _flush(offloaded)  # one write-back per block in flight: the last one wins
         src = torch.empty_like(offloaded, device=data.device)
         src.copy_(data)  # dtype cast and broadcast as Tensor.copy_ does
         try:
@@ -265,6 +269,7 @@ class OffcacheCPUCache(CPUCache):
         COUNTERS["weight_writeback_bytes"] += offloaded.nbytes
         if _state.current is not None:
             _state.current.written_back_bytes += offloaded.nbytes
+        # The engine orders copies into one block (write after write), so the last one wins.
         _state.pending[id(offloaded)] = (offloaded, ticket)
         if _state.current is None:
             _flush(offloaded)  # outside a patched context nothing marks an end: land it now
