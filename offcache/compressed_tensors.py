@@ -27,22 +27,28 @@ of ``offloaded_values`` directly, inside the context, may see the old bytes.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
+import struct
 import sys
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from compressed_tensors.offload.cache.base import OffloadCache
 from compressed_tensors.offload.cache.cpu import CPUCache
+from compressed_tensors.offload.cache.disk import DiskCache
 from compressed_tensors.offload.cache.utils import catch_cpu_mem_error
+from compressed_tensors.offload.utils import to_tensor
 
 from offcache import _engine
 
 __all__ = [
     "OffcacheCPUCache",
+    "OffcacheDiskCache",
     "is_patched",
     "patch",
     "prefetch",
@@ -193,7 +199,43 @@ def _device_free_bytes(device: torch.device) -> int | None:
     return int(min(free + cached, limit) - 0.1 * total)
 
 
-# --- the cache class ---------------------------------------------------------------------------
+# --- the cache classes -------------------------------------------------------------------------
+
+
+def _onload_device(cache) -> torch.device:
+    device = torch.device(cache.onload_device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _onload(cache, offloaded: Tensor | None) -> Tensor | None:
+    """The engine's onload for both cache classes: a prefetched copy, else a fetch of the source."""
+    if offloaded is None:
+        return None
+    device = _onload_device(cache)
+    nbytes = offloaded.nbytes
+    COUNTERS["weight_onload_bytes"] += nbytes
+    current = _state.current
+    onloaded = _take_prefetched(offloaded, device)
+    if onloaded is not None:
+        COUNTERS["weight_prefetch_hits"] += 1
+        if current is not None:
+            current.hits += 1
+            current.onloaded_bytes += nbytes
+            current.prefetched_bytes += nbytes
+        return onloaded
+    if _patched and prefetch_depth() > 0:
+        COUNTERS["weight_prefetch_misses"] += 1
+    if current is not None:
+        current.misses += 1
+        current.onloaded_bytes += nbytes
+    source = cache._source(offloaded)
+    (fetched,), ticket = _engine.fetch([source], device, wait=False)
+    _wait(ticket, device)
+    if fetched is source:  # a CPU tensor offcache does not own, onloaded to the CPU: not copied
+        fetched = source.clone()
+    return cache._finish(fetched, offloaded)
 
 
 class OffcacheCPUCache(CPUCache):
@@ -222,29 +264,12 @@ class OffcacheCPUCache(CPUCache):
 
     def onload(self, offloaded: Tensor | None) -> Tensor | None:
         """A copy of `offloaded` on the onload device: the prefetched one if there is one."""
-        if offloaded is None:
-            return None
-        device = torch.device(self.onload_device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        nbytes = offloaded.nbytes
-        COUNTERS["weight_onload_bytes"] += nbytes
-        current = _state.current
-        onloaded = _take_prefetched(offloaded, device)
-        if onloaded is not None:
-            COUNTERS["weight_prefetch_hits"] += 1
-            if current is not None:
-                current.hits += 1
-                current.onloaded_bytes += nbytes
-                current.prefetched_bytes += nbytes
-            return onloaded
-        if _patched and prefetch_depth() > 0:
-            COUNTERS["weight_prefetch_misses"] += 1
-        if current is not None:
-            current.misses += 1
-            current.onloaded_bytes += nbytes
-        (fetched,), ticket = _engine.fetch([offloaded], device, wait=False)
-        _wait(ticket, device)
+        return _onload(self, offloaded)
+
+    def _source(self, offloaded: Tensor) -> Tensor:
+        return offloaded
+
+    def _finish(self, fetched: Tensor, offloaded: Tensor) -> Tensor:
         return _like(fetched, offloaded, onloaded=True)
 
     @torch.no_grad()
@@ -289,15 +314,99 @@ class OffcacheCPUCache(CPUCache):
         super().__delitem__(key)
 
 
+_ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
+_MAPS: OrderedDict[tuple, tuple[Tensor, dict, int]] = OrderedDict()  # file identity -> mapping, header
+_MAX_MAPS = 256
+
+
+def _mapped(path: str) -> tuple[Tensor, dict, int]:
+    """A safetensors file mapped read-only (private, lazily paged), its header and data offset.
+
+    Keyed by the real file's identity (inode, size, mtime): a file DiskCache rewrites, or a
+    symlink it replaces by a file, maps afresh.
+    """
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    key = (real, st.st_ino, st.st_size, st.st_mtime_ns)
+    hit = _MAPS.get(key)
+    if hit is not None:
+        _MAPS.move_to_end(key)
+        return hit
+    with open(real, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    data = torch.from_file(real, shared=False, size=st.st_size, dtype=torch.uint8)
+    _MAPS[key] = hit = (data, header, 8 + n)
+    while len(_MAPS) > _MAX_MAPS:
+        _MAPS.popitem(last=False)
+    return hit
+
+
+def _forget(path: str) -> None:
+    real = os.path.realpath(path)
+    for key in [k for k in _MAPS if k[0] == real]:
+        del _MAPS[key]
+
+
+def _file_tensor(path: str, name: str) -> Tensor:
+    """Tensor `name` of a safetensors file, as a CPU view of the file's mapping (nothing read yet)."""
+    data, header, start = _mapped(path)
+    entry = header[name]
+    dtype = _ST_DTYPES[entry["dtype"]]
+    begin, end = entry["data_offsets"]
+    raw = data[start + begin : start + end]
+    if (start + begin) % dtype.itemsize:  # unaligned for a view: copy the bytes out
+        raw = raw.clone()
+    return raw.view(dtype).reshape(entry["shape"])
+
+
+class OffcacheDiskCache(DiskCache):
+    """compressed-tensors' ``DiskCache``, its onload reading the checkpoint's file through the engine.
+
+    The offloaded meta tensors, ``DiskCache.index``, the checkpoint symlinks and the files an
+    update writes are compressed-tensors' own (other code reads them). An onload maps the
+    safetensors file (never copied) and fetches the tensor's bytes with the engine, so that a
+    prefetch reads the next subgraph's weights while this one runs. Updates write files as
+    DiskCache does; a prefetched copy of an updated weight is dropped.
+    """
+
+    def onload(self, offloaded: Tensor | None) -> Tensor | None:
+        return _onload(self, offloaded)
+
+    def _source(self, offloaded: Tensor) -> Tensor:
+        info = self.index[offloaded]
+        return _file_tensor(info["safetensors_file"], info["weight_name"])
+
+    def _finish(self, fetched: Tensor, offloaded: Tensor) -> Tensor:
+        # As DiskCache.onload: the offloaded tensor's class and attributes, then the index's dtype.
+        onloaded = to_tensor(fetched, offloaded)
+        return onloaded.to(getattr(torch, self.index[offloaded]["dtype"]))
+
+    def update_offload(self, offloaded: Tensor, data: Tensor | None):
+        _drop_prefetched(offloaded)
+        super().update_offload(offloaded, data)
+        _forget(self.index[offloaded]["safetensors_file"])  # rewritten: never read an old mapping
+
+    def __delitem__(self, key):
+        offloaded = self.offloaded_values[key]
+        if offloaded is not None:
+            _drop_prefetched(offloaded)
+        super().__delitem__(key)
+
+
 # --- prefetch ----------------------------------------------------------------------------------
 
 
-def _offloaded_of(modules) -> list[tuple[OffcacheCPUCache, Tensor]]:
+def _offloaded_of(modules) -> list[tuple[Any, Tensor]]:
     seen: set[int] = set()
     out = []
     for module in modules:
         for cache in (module._parameters, module._buffers):
-            if not isinstance(cache, OffcacheCPUCache):
+            if not isinstance(cache, (OffcacheCPUCache, OffcacheDiskCache)):
                 continue
             for offloaded in cache.offloaded_values.values():
                 if offloaded is not None and id(offloaded) not in seen:
@@ -319,31 +428,37 @@ def prefetch(modules, target: int) -> int:
         key = id(offloaded)
         if key in _state.prefetched:
             continue
-        device = torch.device(cache.onload_device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = _onload_device(cache)
         onloaded = keep.get(offloaded)
         if onloaded is not None and onloaded.device == device:
             # On the device already, for this subgraph: keep it for the next one (no copy).
             _state.prefetched[key] = _Prefetched(offloaded, onloaded, None, device, offloaded._version, target, 0)
             continue
-        by_device.setdefault(device, []).append(offloaded)
+        try:
+            source = cache._source(offloaded)
+        except Exception as exc:  # noqa: BLE001  (an unreadable file: the onload will say why)
+            log.info("offcache weights: no prefetch of a weight: %s", exc)
+            continue
+        if device.type == "cpu" and not _engine.is_offcache_tensor(source):
+            continue  # a fetch would hand back the file's mapping itself: nothing to do ahead
+        by_device.setdefault(device, []).append((cache, offloaded, source))
     issued = 0
-    for device, tensors in by_device.items():
-        nbytes = sum(t.nbytes for t in tensors)
+    for device, items in by_device.items():
+        sources = [source for _, _, source in items]
+        nbytes = sum(t.nbytes for t in sources)
         free = _device_free_bytes(device)
         if free is not None and nbytes > free:
             COUNTERS["weight_prefetch_skips"] += 1
             log.info("offcache weights: no room for a %d-byte prefetch on %s, skipped", nbytes, device)
             continue
         try:
-            fetched, ticket = _engine.fetch(tensors, device, wait=False)
+            fetched, ticket = _engine.fetch(sources, device, wait=False)
         except Exception as exc:  # noqa: BLE001  (an OOM or anything else: the onload will fetch)
             COUNTERS["weight_prefetch_skips"] += 1
             log.info("offcache weights: prefetch of %d bytes on %s skipped: %s", nbytes, device, exc)
             continue
-        for offloaded, onloaded in zip(tensors, fetched):
-            copy = _like(onloaded, offloaded, onloaded=True)
+        for (cache, offloaded, _), onloaded in zip(items, fetched):
+            copy = cache._finish(onloaded, offloaded)
             entry = _Prefetched(offloaded, copy, ticket, device, offloaded._version, target, offloaded.nbytes)
             _state.prefetched[id(offloaded)] = entry
         COUNTERS["weight_prefetch_bytes"] += nbytes
@@ -386,9 +501,8 @@ _originals: dict[tuple[object, str], object] = {}
 
 def _cls_from_device(cls, device=None):
     chosen = _originals[(OffloadCache, "cls_from_device")].__func__(cls, device)
-    if chosen is CPUCache:  # non-distributed "cpu" (distributed gives DistributedCPUCache)
-        return OffcacheCPUCache
-    return chosen
+    # Non-distributed only: distributed runs get DistributedCPUCache / DistributedDiskCache.
+    return {CPUCache: OffcacheCPUCache, DiskCache: OffcacheDiskCache}.get(chosen, chosen)
 
 
 @contextlib.contextmanager

@@ -32,13 +32,14 @@ from compressed_tensors.offload.cache import (  # noqa: E402
     DeviceCache,
     DiskCache,
     DistributedCPUCache,
+    DistributedDiskCache,
     OffloadCache,
 )
 
 import offcache  # noqa: E402
 from offcache import _engine  # noqa: E402
 from offcache import compressed_tensors as oc_ct  # noqa: E402
-from offcache.compressed_tensors import OffcacheCPUCache  # noqa: E402
+from offcache.compressed_tensors import OffcacheCPUCache, OffcacheDiskCache  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -81,7 +82,7 @@ def test_patch_picks_offcache_for_cpu_only_and_unpatch_restores(engine_config):
     try:
         assert OffloadCache.cls_from_device("cpu") is OffcacheCPUCache
         assert OffloadCache.cls_from_device(torch.device("cpu")) is OffcacheCPUCache
-        assert OffloadCache.cls_from_device("disk") is DiskCache
+        assert OffloadCache.cls_from_device("disk") is OffcacheDiskCache
         if torch.cuda.is_available():  # without one, compressed-tensors refuses "cuda" itself
             assert OffloadCache.cls_from_device("cuda:0") is DeviceCache
         linear = torch.nn.Linear(3, 3)
@@ -90,6 +91,7 @@ def test_patch_picks_offcache_for_cpu_only_and_unpatch_restores(engine_config):
     finally:
         offcache.unpatch_llmcompressor()
     assert OffloadCache.cls_from_device("cpu") is CPUCache
+    assert OffloadCache.cls_from_device("disk") is DiskCache
     assert "disable_offloading" in OffloadCache.__dict__
     assert OffloadCache.__dict__["disable_offloading"].__func__.__module__ == OffloadCache.__module__
     import llmcompressor.pipelines.sequential.helpers as helpers
@@ -117,6 +119,7 @@ def test_distributed_keeps_compressed_tensors_classes(patched):
         dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
         try:
             assert OffloadCache.cls_from_device("cpu") is DistributedCPUCache
+            assert OffloadCache.cls_from_device("disk") is DistributedDiskCache
         finally:
             dist.destroy_process_group()
     assert OffloadCache.cls_from_device("cpu") is OffcacheCPUCache
@@ -349,6 +352,68 @@ def test_module_forward_and_update_offload_parameter(patched):
     assert torch.equal(linear.state_dict()["weight"], new)
 
 
+# --- weights on disk ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def disk_cache(patched, tmp_path):
+    return OffloadCache.cls_from_device("disk")(CPU, offload_dir=str(tmp_path))
+
+
+def test_disk_cache_behaviour(disk_cache, tmp_path):
+    """DiskCache's own semantics kept: meta offloads, an index entry and a file per new tensor,
+    updates rewrite that file, delete removes it; onloads read the file (through the engine)."""
+    assert type(disk_cache) is OffcacheDiskCache
+    param = torch.nn.Parameter(torch.randn(6, 4), requires_grad=False)
+    disk_cache["weight"] = param
+    with disable_onloading():
+        offloaded = disk_cache["weight"]
+    assert offloaded.device.type == "meta" and offloaded in DiskCache.index
+    path = DiskCache.index[offloaded]["safetensors_file"]
+    assert os.path.exists(path) and os.path.dirname(path) == str(tmp_path)
+    onloaded = disk_cache["weight"]
+    assert type(onloaded) is torch.nn.Parameter and torch.equal(onloaded, param)
+    before = counters()
+    for value in (torch.ones(6, 4), torch.full((6, 4), 2.0)):  # rewritten twice: never a stale mapping
+        disk_cache["weight"] = value
+        assert torch.equal(disk_cache["weight"], value)
+    assert delta(before)["weight_onload_bytes"] == 2 * 6 * 4 * 4
+    with disable_offloading():
+        assert disk_cache["weight"] is disk_cache["weight"]
+    del disk_cache["weight"]
+    assert not os.path.exists(path) and offloaded not in DiskCache.index
+
+
+def test_disk_onload_reads_the_checkpoint_through_a_symlink(patched, tmp_path):
+    """from_accelerate's symlinks into the checkpoint: read in place; an update replaces the link
+    by a file of its own (the checkpoint is never written)."""
+    from safetensors.torch import save_file
+
+    weights = {"a.weight": torch.randn(5, 3), "b.weight": torch.randn(7).to(torch.bfloat16)}
+    checkpoint = tmp_path / "model.safetensors"
+    save_file(weights, str(checkpoint))
+    offload_dir = tmp_path / "offload"
+    offload_dir.mkdir()
+    cache = OffloadCache.cls_from_device("disk")(CPU, offload_dir=str(offload_dir))
+    for name, tensor in weights.items():
+        meta = tensor.to("meta")
+        info = {"safetensors_file": str(checkpoint), "weight_name": name, "dtype": str(tensor.dtype)[6:]}
+        DiskCache.create_checkpoint_symlink(meta, info, str(offload_dir))
+        with disable_onloading():
+            cache[name] = meta
+    for name, tensor in weights.items():
+        assert torch.equal(cache[name], tensor) and cache[name].dtype == tensor.dtype
+    before = checkpoint.read_bytes()
+    cache["a.weight"] = torch.zeros(5, 3)
+    assert torch.equal(cache["a.weight"], torch.zeros(5, 3))
+    assert checkpoint.read_bytes() == before, "the checkpoint was written"
+    with disable_onloading():
+        link = DiskCache.index[cache["a.weight"]]["safetensors_file"]
+        other = DiskCache.index[cache["b.weight"]]["safetensors_file"]
+    assert not os.path.islink(link) and os.path.islink(other)
+    assert torch.equal(cache["b.weight"], weights["b.weight"])
+
+
 # --- prefetch ----------------------------------------------------------------------------------
 
 
@@ -491,6 +556,28 @@ def test_prefetch_depth_parsing(monkeypatch):
             oc_ct.prefetch_depth()
     monkeypatch.delenv("OFFCACHE_WEIGHT_PREFETCH")
     assert oc_ct.prefetch_depth() == 1 and "OFFCACHE_WEIGHT_PREFETCH" not in os.environ
+
+
+@pytest.mark.gpu
+def test_gpu_disk_weights_prefetched_from_the_file(tmp_path):
+    device = torch.device("cuda", torch.cuda.current_device())
+    offcache.configure()
+    oc_ct.patch()
+    try:
+        torch.manual_seed(0)
+        linears = [torch.nn.Linear(256, 256) for _ in range(2)]
+        plain = [(m.weight.detach().clone(), m.bias.detach().clone()) for m in linears]
+        for m in linears:
+            offload_module(m, device, "disk", offload_dir=str(tmp_path))
+        before = counters()
+        assert oc_ct.prefetch(linears, target=0) == 2 * 256 * 257 * 4
+        with disable_offloading():
+            for m, (w, b) in zip(linears, plain):
+                assert m.weight.device == device and torch.equal(m.weight.cpu(), w) and torch.equal(m.bias.cpu(), b)
+        d = delta(before)
+        assert d["weight_prefetch_hits"] == 4 and d["weight_host_waits"] == 0
+    finally:
+        oc_ct.unpatch()
 
 
 @pytest.mark.gpu

@@ -145,3 +145,87 @@ def test_oneshot_weights_bit_identical(tiny_model_dir, single_thread, engine_con
         # AWQ's disable_lm_head() reads lm_head.weight (a module of no subgraph) once per subgraph.
         assert s["hits"] > 0 and s["misses"] <= (1 if kind == "awq" else 0), s
         assert s["host_waits"] <= s["misses"], s
+
+
+def load_to_disk(model_dir, offload_dir):
+    """A model offloaded to disk the way a user does it: compressed-tensors' load_offloaded_model."""
+    from compressed_tensors.offload import load_offloaded_model
+
+    with load_offloaded_model():
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, device_map="auto_offload", max_memory={"cpu": 0},
+            offload_folder=str(offload_dir),
+        )  # fmt: skip
+
+
+def quantize_model(model, model_dir):
+    from llmcompressor import oneshot
+
+    torch.manual_seed(0)
+    oneshot(
+        model=model,
+        tokenizer=transformers.AutoTokenizer.from_pretrained(model_dir),
+        dataset=calibration_set(),
+        recipe=recipe("gptq"),
+        num_calibration_samples=4,
+        max_seq_length=16,
+        pipeline="sequential",
+        shuffle_calibration_samples=False,
+    )
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_oneshot_disk_offloaded_model_bit_identical_and_saved(tiny_model_dir, single_thread, host_engine, tmp_path):
+    import os
+
+    from compressed_tensors.offload.cache import DiskCache
+    from safetensors.torch import load_file
+
+    offcache.unpatch_llmcompressor()
+    model = load_to_disk(tiny_model_dir, tmp_path / "theirs")
+    assert "DiskCache" in {type(m._parameters).__name__ for m in model.modules()}
+    want = quantize_model(model, tiny_model_dir)
+    del model
+
+    offcache.patch_llmcompressor(weights=True)
+    try:
+        model = load_to_disk(tiny_model_dir, tmp_path / "ours")
+        caches = {type(m._parameters).__name__ for m in model.modules()}
+        assert "OffcacheDiskCache" in caches and "DiskCache" not in caches
+        links = [f for f in os.listdir(tmp_path / "ours") if os.path.islink(tmp_path / "ours" / f)]
+        assert links, "the checkpoint's tensors are symlinked, as from_accelerate makes them"
+        before = offcache.stats()
+        ours = quantize_model(model, tiny_model_dir)
+        after = offcache.stats()
+        assert after["weight_onload_bytes"] > before["weight_onload_bytes"]
+        # No copy of the checkpoint: every symlink left points at it, nothing went to offcache's disk tier.
+        for f in os.listdir(tmp_path / "ours"):
+            path = tmp_path / "ours" / f
+            if os.path.islink(path):
+                assert os.path.realpath(path) == str((tiny_model_dir / "model.safetensors").resolve())
+        assert after["disk_write_bytes"] == before["disk_write_bytes"]
+        disk_caches = [m._parameters for m in model.modules() if type(m._parameters).__name__ == "OffcacheDiskCache"]
+        assert all(p in DiskCache.index for c in disk_caches for p in c.offloaded_values.values() if p is not None)
+        model.save_pretrained(tmp_path / "saved", save_compressed=False)
+    finally:
+        offcache.unpatch_llmcompressor()
+    assert_bit_identical(ours, want)
+    saved = load_file(str(tmp_path / "saved" / "model.safetensors"))
+    for k, v in saved.items():
+        assert torch.equal(v, ours[k]), f"saved {k} is not the updated value"
+
+
+def test_cpu_offloaded_model_saved_with_updated_weights(tiny_model_dir, single_thread, host_engine, tmp_path):
+    from safetensors.torch import load_file
+
+    offcache.patch_llmcompressor(weights=True)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        ours = quantize_model(model, tiny_model_dir)
+        model.save_pretrained(tmp_path / "saved", save_compressed=False)
+    finally:
+        offcache.unpatch_llmcompressor()
+    saved = load_file(str(tmp_path / "saved" / "model.safetensors"))
+    assert any("weight_scale" in k for k in saved)
+    for k, v in saved.items():
+        assert torch.equal(v, ours[k]), f"saved {k} is not the updated value"
