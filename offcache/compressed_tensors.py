@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import struct
 import sys
@@ -43,6 +42,7 @@ from compressed_tensors.offload.cache.cpu import CPUCache
 from compressed_tensors.offload.cache.disk import DiskCache
 from compressed_tensors.offload.cache.utils import catch_cpu_mem_error
 from compressed_tensors.offload.utils import to_tensor
+from loguru import logger  # llm-compressor's and compressed-tensors' logger: its INFO lines show
 
 from offcache import _engine
 
@@ -57,7 +57,6 @@ __all__ = [
     "unpatch",
 ]
 
-log = logging.getLogger("offcache.weights")
 _CPU = torch.device("cpu")
 Tensor = torch.Tensor
 COUNTERS = _engine.WEIGHT_COUNTERS
@@ -104,9 +103,9 @@ class _Subgraph:
     def line(self) -> str:
         hidden = self.prefetched_bytes / self.onloaded_bytes if self.onloaded_bytes else 1.0
         return (
-            f"offcache weights, subgraph {self.index}: {self.onloaded_bytes / 2**20:.1f} MiB onloaded, "
+            f"offcache weights, subgraph {self.index}: {self.onloaded_bytes / 2**20:.2f} MiB onloaded, "
             f"{hidden:.0%} prefetched ({self.hits} hits, {self.misses} misses), "
-            f"{self.host_waits} host waits, {self.written_back_bytes / 2**20:.1f} MiB written back"
+            f"{self.host_waits} host waits, {self.written_back_bytes / 2**20:.2f} MiB written back"
         )
 
 
@@ -437,7 +436,7 @@ def prefetch(modules, target: int) -> int:
         try:
             source = cache._source(offloaded)
         except Exception as exc:  # noqa: BLE001  (an unreadable file: the onload will say why)
-            log.info("offcache weights: no prefetch of a weight: %s", exc)
+            logger.debug(f"offcache weights: no prefetch of a weight: {exc}")
             continue
         if device.type == "cpu" and not _engine.is_offcache_tensor(source):
             continue  # a fetch would hand back the file's mapping itself: nothing to do ahead
@@ -449,13 +448,13 @@ def prefetch(modules, target: int) -> int:
         free = _device_free_bytes(device)
         if free is not None and nbytes > free:
             COUNTERS["weight_prefetch_skips"] += 1
-            log.info("offcache weights: no room for a %d-byte prefetch on %s, skipped", nbytes, device)
+            logger.info(f"offcache weights: no room for a {nbytes}-byte prefetch on {device}, skipped")
             continue
         try:
             fetched, ticket = _engine.fetch(sources, device, wait=False)
         except Exception as exc:  # noqa: BLE001  (an OOM or anything else: the onload will fetch)
             COUNTERS["weight_prefetch_skips"] += 1
-            log.info("offcache weights: prefetch of %d bytes on %s skipped: %s", nbytes, device, exc)
+            logger.info(f"offcache weights: prefetch of {nbytes} bytes on {device} skipped: {exc}")
             continue
         for (cache, offloaded, _), onloaded in zip(items, fetched):
             copy = cache._finish(onloaded, offloaded)
@@ -531,7 +530,7 @@ def _disable_offloading(cls):
         if record.onloaded_bytes or record.written_back_bytes:
             _state.history.append(record)
             if record.index is not None:
-                log.info(record.line())
+                logger.info(record.line())
 
 
 def _trace_subgraphs(*args, **kwargs):

@@ -16,7 +16,8 @@ def test_weights_section_rows(tmp_path, capsys):
     rows = {r["impl"]: r for r in results["weights"]}
     assert set(rows) == {
         "compute_only", "compressed_tensors", "offcache", "offcache_prefetch",
-        "raw_pinned_vs_engine_fetch", "disk_compressed_tensors", "disk_raw_sequential_read", "disk_offcache",
+        "raw_pinned_vs_engine_fetch", "disk_compressed_tensors", "disk_offcache", "disk_offcache_prefetch",
+        "disk_raw_sequential_read",
     }  # fmt: skip
     shape = rows["compute_only"]["shape"]
     weights = shape["S"] * shape["L"] * 2  # weight and bias per layer
@@ -30,5 +31,8 @@ def test_weights_section_rows(tmp_path, capsys):
     assert plain["host_waits_per_subgraph"] >= ahead["host_waits_per_subgraph"]
     assert rows["raw_pinned_vs_engine_fetch"]["engine_gbps"] > 0
     assert rows["disk_compressed_tensors"]["file_bytes"] > rows["compressed_tensors"]["weight_bytes"] / 2
+    for impl in ("disk_compressed_tensors", "disk_offcache", "disk_offcache_prefetch"):
+        assert rows[impl]["wall_s"] > 0
+    assert rows["disk_offcache"]["prefetch_misses"] == 0  # prefetch off: none counted
     assert results["runs"]["weights"]["command"].endswith("weights --tiny --out " + str(tmp_path))
     assert "weight H2D: engine" in capsys.readouterr().out

@@ -15,9 +15,9 @@ context and two passes over B batches. Rows, measured side by side in one run:
 Columns: wall seconds (median of R), wall over compute_only, host waits for weights per
 subgraph, H2D bytes, and prefetch hits/misses. ``raw_pinned`` times a plain pinned
 ``Tensor.to(non_blocking=True)`` of one subgraph's weights against the engine's fetch of the
-same weights (the weight-H2D bar). Disk rows are not measured yet (offcache's DiskCache is
-issue 18's remaining part): ``disk`` reports compressed-tensors' ``DiskCache`` against a raw
-sequential read of the same files.
+same weights (the weight-H2D bar). The ``disk_*`` rows do the same with the weights offloaded
+to disk (a safetensors file per weight): compressed-tensors' ``DiskCache`` against offcache's
+without and with prefetch, and a raw sequential read of the same files.
 """
 
 from __future__ import annotations
@@ -221,41 +221,76 @@ def _raw_vs_engine(ctx: Context, shape, dtype) -> dict:
 
 
 def _disk(ctx: Context, shape, dtype) -> list[dict]:
-    """compressed-tensors' DiskCache (a safetensors file per weight) against a raw read of the files."""
+    """Weights on disk (a safetensors file per weight, as DiskCache writes them): compressed-tensors'
+    DiskCache against offcache's without and with prefetch, and a raw sequential read of the files."""
     from compressed_tensors.offload import offload_module
 
-    folder = tempfile.mkdtemp(prefix="offcache-bench-weights-", dir=os.environ.get("OFFCACHE_BENCH_DISK_DIR"))
-    try:
-        layers = _layers(shape, dtype, "cpu")
-        for sub in layers:
-            for layer in sub:
-                offload_module(layer, ctx.device, "disk", offload_dir=folder)
-        files = sorted(os.path.join(folder, f) for f in os.listdir(folder))
-        nbytes = sum(os.path.getsize(f) for f in files)
-        subgraphs = [_Subgraph(sub) for sub in layers]
-        g = torch.Generator().manual_seed(1)
-        batches = [torch.randn(shape["T"], shape["H"], generator=g).to(ctx.device, dtype) for _ in range(shape["B"])]
-        walls, reads = [], []
-        for _ in range(shape["R"]):
-            walls.append(_run(ctx, subgraphs, batches))
-            t0 = time.perf_counter()
-            for f in files:
-                with open(f, "rb") as fh:
-                    while fh.read(1 << 24):
-                        pass
-            reads.append(time.perf_counter() - t0)
-        return [
-            {"impl": "disk_compressed_tensors", "wall_s": median(walls), "spread": spread(walls), "file_bytes": nbytes},
-            {
-                "impl": "disk_raw_sequential_read",
-                "wall_s": median(reads),
-                "gbps": nbytes / median(reads) / 1e9,
-                "note": "the same files, read in order (page cache may serve them)",
-            },
-            {"impl": "disk_offcache", "note": "not measured: offcache's DiskCache is not built yet (issue 18)"},
-        ]
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    from offcache import compressed_tensors as oc_ct
+
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(shape["T"], shape["H"], generator=g).to(ctx.device, dtype) for _ in range(shape["B"])]
+    impls = ("disk_compressed_tensors", "disk_offcache", "disk_offcache_prefetch")
+    walls: dict[str, list[float]] = {impl: [] for impl in impls}
+    stats: dict[str, dict] = {}
+    reads: list[float] = []
+    nbytes = 0
+    for repeat in range(shape["R"] + 1):  # interleaved; the first round warms up (and the page cache)
+        for impl in impls:
+            folder = tempfile.mkdtemp(prefix="offcache-bench-weights-", dir=os.environ.get("OFFCACHE_BENCH_DISK_DIR"))
+            try:
+                if impl != "disk_compressed_tensors":
+                    oc_ct.patch()
+                layers = _layers(shape, dtype, "cpu")
+                for sub in layers:
+                    for layer in sub:
+                        offload_module(layer, ctx.device, "disk", offload_dir=folder)
+                subgraphs = [_Subgraph(sub) for sub in layers]
+                with _env("OFFCACHE_WEIGHT_PREFETCH", "1" if impl.endswith("prefetch") else "0"):
+                    if impl != "disk_compressed_tensors":
+                        subgraphs = oc_ct._wrap_subgraphs(subgraphs)
+                    before = offcache.stats()
+                    wall = _run(ctx, subgraphs, batches)
+                    after = offcache.stats()
+                if repeat:
+                    walls[impl].append(wall)
+                    stats[impl] = {k: after[k] - before[k] for k in after if isinstance(after[k], (int, float))}
+                if impl == "disk_compressed_tensors":
+                    files = sorted(os.path.join(folder, f) for f in os.listdir(folder))
+                    nbytes = sum(os.path.getsize(f) for f in files)
+                    t0 = time.perf_counter()
+                    for f in files:
+                        with open(f, "rb") as fh:
+                            while fh.read(1 << 24):
+                                pass
+                    if repeat:
+                        reads.append(time.perf_counter() - t0)
+                del layers, subgraphs
+            finally:
+                oc_ct.unpatch()
+                shutil.rmtree(folder, ignore_errors=True)
+    rows = []
+    for impl in impls:
+        row = {"impl": impl, "wall_s": median(walls[impl]), "spread": spread(walls[impl]), "file_bytes": nbytes}
+        if impl != "disk_compressed_tensors":
+            s = stats[impl]
+            row |= {
+                "h2d_bytes": s["h2d_bytes"],
+                "host_waits_per_subgraph": s["weight_host_waits"] / shape["S"],
+                "prefetch_hits": s["weight_prefetch_hits"],
+                "prefetch_misses": s["weight_prefetch_misses"],
+            }
+            if not ctx.gpu:
+                row["note"] = "onload to the CPU: a copy out of the file's mapping; no prefetch (nothing to overlap)"
+        rows.append(row)
+    rows.append(
+        {
+            "impl": "disk_raw_sequential_read",
+            "wall_s": median(reads),
+            "gbps": nbytes / median(reads) / 1e9,
+            "note": "the same files, read in order right after they were written (the page cache serves them)",
+        }
+    )
+    return rows
 
 
 def summary_lines(rows: list[dict]) -> list[str]:
