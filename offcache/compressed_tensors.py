@@ -81,7 +81,7 @@ def prefetch_depth() -> int:
 class _Prefetched:
     offloaded: Tensor  # held so that id(offloaded) stays the key's tensor
     onloaded: Tensor
-    ticket: Any  # None: the copy was already on the device (an onloaded value reused)
+    ticket: Any
     device: torch.device
     version: int  # offloaded._version when fetched: an in-place edit since makes it stale
     target: int  # the subgraph it was fetched for; it dies with that subgraph's context
@@ -182,8 +182,7 @@ def _take_prefetched(offloaded: Tensor, device: torch.device) -> Tensor | None:
         return None
     if entry.offloaded is not offloaded or entry.device != device or entry.version != offloaded._version:
         return None  # stale (edited in place since) or for another device: fetch afresh
-    if entry.ticket is not None:
-        _wait(entry.ticket, device)
+    _wait(entry.ticket, device)
     return entry.onloaded
 
 
@@ -417,22 +416,18 @@ def _offloaded_of(modules) -> list[tuple[Any, Tensor]]:
 def prefetch(modules, target: int) -> int:
     """Fetch the offloaded weights of `modules` ahead, for subgraph `target`; returns bytes issued.
 
-    A tensor already prefetched or onloaded (``keep_onloaded_values``) is not copied again.
+    A tensor already prefetched is not fetched again.
     When the device has no room, or the fetch fails, nothing is prefetched and the skip is
     counted: a prefetch never fails a run.
     """
     by_device: dict[torch.device, list[Tensor]] = {}
-    keep = OffloadCache.keep_onloaded_values
     for cache, offloaded in _offloaded_of(modules):
-        key = id(offloaded)
-        if key in _state.prefetched:
+        if id(offloaded) in _state.prefetched:
             continue
         device = _onload_device(cache)
-        onloaded = keep.get(offloaded)
-        if onloaded is not None and onloaded.device == device:
-            # On the device already, for this subgraph: keep it for the next one (no copy).
-            _state.prefetched[key] = _Prefetched(offloaded, onloaded, None, device, offloaded._version, target, 0)
-            continue
+        # A weight this subgraph holds onloaded too (tied, shared) is fetched again, not aliased:
+        # this subgraph may edit its onloaded copy in place (AWQ's grid search does, through
+        # .data, which no version counter sees), and such edits die with its context.
         try:
             source = cache._source(offloaded)
         except Exception as exc:  # noqa: BLE001  (an unreadable file: the onload will say why)

@@ -487,7 +487,7 @@ class FakeSubgraph:
         return out
 
     def submodules(self, model, recurse=True):
-        return [self.module]
+        return list(self.module.modules())  # as llm-compressor's: every module, recursively
 
 
 def run_pipeline(subgraphs, batches):
@@ -544,6 +544,22 @@ def test_prefetched_copies_die_with_their_subgraph_context(patched):
     with pytest.raises(KeyError), disable_offloading():
         raise KeyError("a failing subgraph")
     assert not oc_ct._state.prefetched, "a failed context drops every prefetch"
+
+
+def test_shared_weight_edited_in_place_in_one_subgraph_is_fresh_in_the_next(patched):
+    """A weight two subgraphs share: the first edits its onloaded copy through .data (no version
+    bump), as AWQ's grid search does; compressed-tensors drops that copy at the context's end, so
+    the next subgraph must see the offloaded value, prefetched or not."""
+    shared = torch.nn.Linear(16, 16, bias=False)
+    want = shared.weight.detach().clone()
+    first, second = torch.nn.Sequential(shared), torch.nn.Sequential(shared)
+    offload_module(shared, CPU, CPU)
+    subgraphs = oc_ct._wrap_subgraphs([FakeSubgraph(first, 0), FakeSubgraph(second, 0)])
+    with disable_offloading():
+        subgraphs[0].forward(None, torch.randn(1, 16))  # prefetches the second's (the same) weight
+        shared.weight.data.mul_(0)
+    with disable_offloading():
+        assert torch.equal(shared.weight, want)
 
 
 def test_prefetch_depth_parsing(monkeypatch):
