@@ -284,8 +284,9 @@ class OffcacheCPUCache(CPUCache):
         src.copy_(data)  # dtype cast and broadcast as Tensor.copy_ does
         try:
             ticket = _engine.copy_into([offloaded], [src], wait=False)
-        except ValueError:
-            # Not an arena block (a spilled value) or a layout copy_into refuses: copy directly.
+        except (ValueError, RuntimeError):
+            # A pair the engine refuses (a layout, or host data where a backend wants a device
+            # source): every copy in flight landed first, then a plain copy, as CPUCache's.
             _engine.synchronize()
             offloaded.copy_(src)
             return

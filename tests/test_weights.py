@@ -291,6 +291,22 @@ def test_write_back_reads_a_private_copy_of_the_data(cache):
     assert torch.equal(cache["weight"], torch.ones(512, 512))
 
 
+def test_write_back_the_engine_refuses_is_copied_directly(cache, monkeypatch):
+    cache["weight"] = torch.zeros(64, 64)
+    module = SimpleNamespace(_parameters=cache, _buffers={})
+    oc_ct.prefetch([module], target=0)  # a copy in flight when the update comes
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("offcache: copy_into pair 0: not on this backend (simulated)")
+
+    monkeypatch.setattr(oc_ct._engine, "copy_into", refuse)
+    with disable_offloading():
+        cache["weight"] = torch.ones(64, 64)
+        assert torch.equal(cache["weight"], torch.ones(64, 64))
+    monkeypatch.undo()
+    assert torch.equal(cache.offloaded_values["weight"], torch.ones(64, 64))
+
+
 def test_write_back_counted(cache):
     cache["weight"] = torch.zeros(100)
     before = counters()

@@ -116,6 +116,7 @@ def assert_bit_identical(ours, want):
         ("gptq", False, "host"),
         ("gptq", True, "host"),
         ("gptq", False, "host-disk"),
+        ("gptq", True, "host-disk"),
         ("awq", False, "host"),
         ("awq", True, "host-disk"),
     ],
