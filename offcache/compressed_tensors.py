@@ -3,14 +3,19 @@
 ``offcache.patch_llmcompressor(weights=True)`` calls ``patch()`` here:
 
 - ``OffloadCache.cls_from_device`` returns ``OffcacheCPUCache`` for a non-distributed
-  ``"cpu"`` offload (the class ``offload_module`` builds every module's cache from).
+  ``"cpu"`` offload and ``OffcacheDiskCache`` for ``"disk"`` (the classes ``offload_module``
+  builds every module's cache from).
   Distributed runs keep compressed-tensors' classes: they share one copy of the weights
   per node through /dev/shm, where a per-rank arena would pin one copy per rank.
 - ``OffcacheCPUCache`` is compressed-tensors' ``CPUCache`` with its three device moves on
-  the engine: ``offload`` snapshots into the pinned arena, ``onload`` is an engine fetch
+  the engine: ``offload`` snapshots into the pinned arena (and waits: the result is
+  readable on return, as CPUCache's), ``onload`` is an engine fetch
   (the consumer's stream waits on an event, the host does not), ``update_offload`` an
   asynchronous copy back into the same arena block. Everything else (``__getitem__``,
   ``keep_onloaded_values``, the ``disable_*`` contexts, ``__delitem__``) is the base class's.
+- ``OffcacheDiskCache`` is ``DiskCache`` with its onload reading the safetensors file through
+  a mapping and the engine's fetch (so that it can be prefetched); its index, symlinks and
+  update files are DiskCache's.
 - The sequential pipeline's subgraphs are learnt by wrapping ``trace_subgraphs``: after the
   first forward of subgraph *i*, the weights of subgraphs *i+1 .. i+k* are fetched on the
   engine's stream (``OFFCACHE_WEIGHT_PREFETCH``, default k=1; 0 turns prefetch off). An

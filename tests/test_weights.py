@@ -266,6 +266,31 @@ def test_offload_is_a_snapshot_and_frees_the_source(cache):
     assert r() is None
 
 
+def test_offloading_a_loaded_model_keeps_one_copy_of_its_weights(patched):
+    """set_onload_device (what the pipeline calls) on a model loaded on the CPU: every original
+    parameter dies once offloaded, tied ones included, and the arena holds each weight once."""
+    from compressed_tensors.offload import set_onload_device
+
+    from offcache.bench.models import causal_lm
+
+    model = causal_lm("llama", tie_word_embeddings=True)
+    originals = [ref(p) for p in model.parameters()]
+    want = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    unique_bytes = sum(p.nbytes for p in model.parameters())  # parameters() yields a tied one once
+    in_use = offcache.stats()["pinned_in_use_bytes"]
+    set_onload_device(model, CPU)
+    release()
+    assert all(r() is None for r in originals), "an original parameter outlived its offload"
+    assert (
+        model.lm_head._parameters.offloaded_values["weight"]
+        is (model.model.embed_tokens._parameters.offloaded_values["weight"])
+    )
+    grown = offcache.stats()["pinned_in_use_bytes"] - in_use
+    assert unique_bytes <= grown < unique_bytes + 2**20, (grown, unique_bytes)
+    got = model.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_write_back_visible_to_every_later_read(cache):
     """Slow host copies: each read below would see the old bytes if it did not wait."""
     cache["weight"] = torch.zeros(256, 256)
