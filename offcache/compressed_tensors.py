@@ -520,8 +520,8 @@ def _disable_offloading(cls):
         failed = True
         raise
     finally:
+        _flush_all()  # its waits count for this context
         _state.current = None
-        _flush_all()
         if failed:
             _state.prefetched.clear()
         elif record.index is not None:

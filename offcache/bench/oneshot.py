@@ -109,7 +109,7 @@ def _sync(ctx: Context) -> None:
 def quantize(
     ctx: Context, model_dir: Path, dtype: torch.dtype, shape: Shape, dataset, prefetch: bool, offload_weights=False
 ):
-    """One oneshot run: (wall seconds of oneshot, the quantized state dict on the CPU)."""
+    """One oneshot run: (wall seconds of oneshot, the quantized state dict on the CPU, stats after oneshot)."""
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import GPTQModifier
 
@@ -130,12 +130,13 @@ def quantize(
     )
     _sync(ctx)
     wall = time.perf_counter() - t0
+    during = offcache.stats()  # before the state dict is read back (its onloads are not oneshot's)
     state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     del model
     gc.collect()
     if ctx.gpu:
         torch.cuda.empty_cache()
-    return wall, state
+    return wall, state, during
 
 
 def _name(run: tuple[str, bool, bool]) -> str:
@@ -188,10 +189,9 @@ def run_oneshot(ctx: Context) -> list[dict]:
                     offcache.empty_cache()  # each run pins its arena afresh, as a new process would
                     offcache.patch_llmcompressor(weights=impl == "offcache+weights")
                 try:
-                    wall, state = quantize(ctx, model_dir, dtype, shape, dataset, prefetch, offloaded)
+                    wall, state, after = quantize(ctx, model_dir, dtype, shape, dataset, prefetch, offloaded)
                 finally:
                     offcache.unpatch_llmcompressor()
-                after = offcache.stats()
                 if impl == "llmcompressor":  # against llm-compressor without prefetch, weights on the device
                     reference = ("llmcompressor", False, False) if prefetch or offloaded else None
                 else:
