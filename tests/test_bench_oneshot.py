@@ -43,6 +43,8 @@ def test_oneshot_section_gives_bit_identical_weights(tmp_path, capsys):
         if r["impl"] == "offcache+weights":
             assert r["weight_onload_bytes"] > 0 and r["weight_prefetch_hits"] > 0
             assert 0 <= r["weight_wait_fraction"] < 1
+            subgraphs = [x for x in r["weight_subgraphs"] if x["index"] is not None]
+            assert len(subgraphs) >= 2 and all(x["misses"] == 0 and x["hits"] > 0 for x in subgraphs[1:])
         else:
             assert r["weight_onload_bytes"] == 0, "offcache's weight offloading was used while not patched in"
     assert results["runs"]["oneshot"]["command"].endswith("oneshot --tiny --out " + str(tmp_path))

@@ -209,6 +209,10 @@ def run_oneshot(ctx: Context) -> list[dict]:
                     "offcache_h2d_bytes": after["h2d_bytes"] - before["h2d_bytes"],
                 }
                 row.update({k: after[k] - before[k] for k in after if k.startswith("weight_")})
+                if impl == "offcache+weights":  # per disable_offloading() context: hits, misses, waits
+                    from offcache import compressed_tensors as oc_ct
+
+                    row["weight_subgraphs"] = oc_ct.subgraph_stats()
                 row["weight_wait_fraction"] = row["weight_host_wait_seconds"] / wall
                 if impl != "llmcompressor":
                     row["speedup_vs_llmcompressor"] = walls[("llmcompressor", prefetch, offloaded)] / wall
