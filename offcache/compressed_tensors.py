@@ -374,8 +374,13 @@ class OffcacheDiskCache(DiskCache):
     The offloaded meta tensors, ``DiskCache.index``, the checkpoint symlinks and the files an
     update writes are compressed-tensors' own (other code reads them). An onload maps the
     safetensors file (never copied) and fetches the tensor's bytes with the engine, so that a
-    prefetch reads the next subgraph's weights while this one runs. Updates write files as
-    DiskCache does; a prefetched copy of an updated weight is dropped.
+    prefetch can read the next subgraph's weights ahead. Updates write files as DiskCache does;
+    a prefetched copy of an updated weight is dropped.
+
+    Not asynchronous yet: a fetch from a mapped (pageable) file is a copy the calling thread
+    issues and, on CUDA, waits for (page faults read the file). Overlapping the read with compute
+    needs the engine to read file ranges itself (O_DIRECT pieces into pinned staging, each
+    piece's H2D overlapping the next read), as its disk tier does for its own files.
     """
 
     def onload(self, offloaded: Tensor | None) -> Tensor | None:
