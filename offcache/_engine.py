@@ -241,6 +241,7 @@ WEIGHT_COUNTERS: dict[str, int | float] = {
     "weight_prefetch_misses": 0,  # onloads that fetched (with prefetch on)
     "weight_prefetch_skips": 0,  # prefetches not issued: no device memory, or the fetch failed
     "weight_host_waits": 0,  # times the host blocked on a weight copy
+    "weight_stream_waits": 0,  # onloads to a GPU whose copy was still in flight: its stream waited
     "weight_host_wait_seconds": 0.0,
 }
 

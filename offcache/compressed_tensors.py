@@ -131,8 +131,14 @@ def subgraph_stats() -> list[dict]:
 
 
 def _wait(ticket, device: torch.device) -> None:
-    """Make the consumer wait for a fetch; only a CPU consumer (host backend) blocks the host."""
-    if device.type == "cpu" and not ticket.query():
+    """Make the consumer wait for a fetch; only a CPU consumer (host backend) blocks the host.
+
+    A GPU consumer's stream waits on the copy's event instead; one still in flight when handed
+    out is counted (weight_stream_waits): the GPU may idle there.
+    """
+    if ticket.query():
+        ticket.wait()
+    elif device.type == "cpu":
         t0 = time.perf_counter()
         ticket.wait()
         COUNTERS["weight_host_waits"] += 1
@@ -141,6 +147,7 @@ def _wait(ticket, device: torch.device) -> None:
             _state.current.host_waits += 1
     else:
         ticket.wait()
+        COUNTERS["weight_stream_waits"] += 1
 
 
 def _flush(offloaded: Tensor) -> None:

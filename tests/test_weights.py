@@ -628,11 +628,13 @@ def test_gpu_disk_weights_prefetched_from_the_file(tmp_path):
             offload_module(m, device, "disk", offload_dir=str(tmp_path))
         before = counters()
         assert oc_ct.prefetch(linears, target=0) == 2 * 256 * 257 * 4
+        offcache.synchronize()  # landed: handing them out makes no stream wait
         with disable_offloading():
             for m, (w, b) in zip(linears, plain):
                 assert m.weight.device == device and torch.equal(m.weight.cpu(), w) and torch.equal(m.bias.cpu(), b)
         d = delta(before)
         assert d["weight_prefetch_hits"] == 4 and d["weight_host_waits"] == 0
+        assert d["weight_stream_waits"] == 0
     finally:
         oc_ct.unpatch()
 
