@@ -242,6 +242,7 @@ def _onload(cache, offloaded: Tensor | None) -> Tensor | None:
         current.onloaded_bytes += nbytes
     source = cache._source(offloaded)
     (fetched,), ticket = _engine.fetch([source], device, wait=False)
+    cache._reading(offloaded, ticket)
     _wait(ticket, device)
     if fetched is source:  # a CPU tensor offcache does not own, onloaded to the CPU: not copied
         fetched = source.clone()
@@ -281,6 +282,9 @@ class OffcacheCPUCache(CPUCache):
 
     def _finish(self, fetched: Tensor, offloaded: Tensor) -> Tensor:
         return _like(fetched, offloaded, onloaded=True)
+
+    def _reading(self, offloaded: Tensor, ticket) -> None:
+        pass  # the arena block's own fences order later writes after this read
 
     @torch.no_grad()
     def update_offload(self, offloaded: Tensor, data: Tensor | None) -> None:
@@ -332,6 +336,7 @@ _ST_DTYPES = {
 }  # fmt: skip
 _MAPS: OrderedDict[tuple, tuple[Tensor, dict, int]] = OrderedDict()  # file identity -> mapping, header
 _MAX_MAPS = 256
+_READS: dict[str, Any] = {}  # real file path -> the ticket of the last fetch that read its mapping
 
 
 def _mapped(path: str) -> tuple[Tensor, dict, int]:
@@ -397,6 +402,12 @@ class OffcacheDiskCache(DiskCache):
         info = self.index[offloaded]
         return _file_tensor(info["safetensors_file"], info["weight_name"])
 
+    def _reading(self, offloaded: Tensor, ticket) -> None:
+        _READS[os.path.realpath(self.index[offloaded]["safetensors_file"])] = ticket
+        if len(_READS) > 1024:  # a model's worth of files: keep the reads still in flight only
+            for path in [p for p, t in _READS.items() if t.query()]:
+                del _READS[path]
+
     def _finish(self, fetched: Tensor, offloaded: Tensor) -> Tensor:
         # As DiskCache.onload: the offloaded tensor's class and attributes, then the index's dtype.
         onloaded = to_tensor(fetched, offloaded)
@@ -404,8 +415,14 @@ class OffcacheDiskCache(DiskCache):
 
     def update_offload(self, offloaded: Tensor, data: Tensor | None):
         _drop_prefetched(offloaded)
+        # DiskCache rewrites its own file in place (truncating it): no copy may still read a
+        # mapping of it then (a read past the new end is a SIGBUS), and none is kept.
+        path = os.path.realpath(self.index[offloaded]["safetensors_file"])
+        reading = _READS.pop(path, None)
+        if reading is not None and not reading.query():
+            _engine.synchronize()
+        _forget(path)
         super().update_offload(offloaded, data)
-        _forget(self.index[offloaded]["safetensors_file"])  # rewritten: never read an old mapping
 
     def __delitem__(self, key):
         offloaded = self.offloaded_values[key]
@@ -470,6 +487,7 @@ def prefetch(modules, target: int) -> int:
             logger.info(f"offcache weights: prefetch of {nbytes} bytes on {device} skipped: {exc}")
             continue
         for (cache, offloaded, _), onloaded in zip(items, fetched):
+            cache._reading(offloaded, ticket)
             copy = cache._finish(onloaded, offloaded)
             entry = _Prefetched(offloaded, copy, ticket, device, offloaded._version, target, offloaded.nbytes)
             _state.prefetched[id(offloaded)] = entry
