@@ -204,7 +204,8 @@ def _device_free_bytes(device: torch.device) -> int | None:
         return None
     free, total = torch.cuda.mem_get_info(device)
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    limit = total * torch.cuda.get_per_process_memory_fraction(device) - torch.cuda.memory_allocated(device)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)(device)
+    limit = total * fraction - torch.cuda.memory_allocated(device)
     # Headroom for the running subgraph's activations and GPTQ's Hessians: 10 % of the device.
     return int(min(free + cached, limit) - 0.1 * total)
 
