@@ -14,7 +14,7 @@ _NAMES = ("IntermediatesCache", "IntermediateValue")
 def patch_llmcompressor(weights: bool = False) -> list[str]:
     """Use offcache's cache in every llm-compressor module that holds the original.
 
-    weights=True also puts compressed-tensors' CPU-offloaded model weights on the engine
+    weights=True also puts compressed-tensors' offloaded model weights (CPU, disk) on the engine
     (offcache.compressed_tensors.patch); weights=False leaves the weights as they are.
 
     Covers the sequential pipeline, AWQ and any other module that imported the
