@@ -248,6 +248,35 @@ def test_update_offload_in_place_and_in_context(cache):
     assert torch.equal(cache["weight"], torch.ones(4))
 
 
+def test_interface_helpers_keep_working(patched, tmp_path):
+    """compressed-tensors' helpers around the caches: register_offload_module, get_cache_init_kwargs,
+    align_module_device, get_execution_device / get_offloaded_device, remove_module_offload."""
+    from compressed_tensors.offload import (
+        align_module_device,
+        get_cache_init_kwargs,
+        get_execution_device,
+        get_offloaded_device,
+        register_offload_module,
+    )
+    from compressed_tensors.offload.module import remove_module_offload
+
+    parent = torch.nn.Linear(4, 4)
+    offload_module(parent, CPU, CPU)
+    register_offload_module(parent, "child", torch.nn.Linear(3, 3))
+    assert type(parent.child._parameters) is OffcacheCPUCache
+    assert get_execution_device(parent) == CPU and get_offloaded_device(parent) == CPU
+    disk = torch.nn.Linear(4, 4)
+    offload_module(disk, CPU, "disk", offload_dir=str(tmp_path))
+    assert get_cache_init_kwargs(disk)["offload_dir"] == tmp_path.resolve()
+    with align_module_device(parent):
+        assert parent.weight is parent.weight  # kept onloaded in the context
+    want = parent.weight.detach().clone()
+    update_offload_parameter(parent, "weight", want + 1)
+    remove_module_offload(parent)  # the arena tensors become the module's own
+    assert type(parent._parameters) is dict and torch.equal(parent.weight, want + 1)
+    assert _engine.is_arena_tensor(parent.weight)
+
+
 # --- what the engine changes -------------------------------------------------------------------
 
 
