@@ -297,6 +297,12 @@ class OffcacheCPUCache(CPUCache):
         if data is None:
             return
         _drop_prefetched(offloaded)
+        if not _engine.is_offcache_tensor(offloaded):
+            # Not offcache's (assigned under disable_onloading()): no fences order the engine's
+            # reads of it, so every copy in flight lands first; then CPUCache's own copy.
+            _engine.synchronize()
+            offloaded.copy_(data)
+            return
         src = torch.empty_like(offloaded, device=data.device)
         src.copy_(data)  # dtype cast and broadcast as Tensor.copy_ does
         try:

@@ -195,6 +195,11 @@ def test_disable_onloading_returns_and_assigns_directly(cache):
         other = torch.zeros(3)
         cache["other"] = other
         assert cache.offloaded_values["other"] is other
+    # A tensor assigned so is not offcache's: onloads copy it, updates write it in place.
+    onloaded = cache["weight"]
+    assert torch.equal(onloaded, tensor) and onloaded is not tensor
+    cache["weight"] = torch.full((10,), 4.0)
+    assert cache.offloaded_values["weight"] is tensor and torch.equal(tensor, torch.full((10,), 4.0))
 
 
 def test_delete_releases_the_kept_value_and_the_prefetch(cache):
