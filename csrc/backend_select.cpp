@@ -54,18 +54,21 @@ std::mutex g_mu;
 Config g_config;
 bool g_configured = false;
 Engine* g_engine = nullptr;
-std::vector<Engine*> g_retired;  // replaced engines that still own blocks
+RetiredSet<Engine> g_retired;  // replaced engines that still own blocks or serve calls
 std::once_flag g_atfork_once;
 
 // fork(): no engine lock may be held by another thread at that moment, or the
 // child would wait on it forever. (Host copy streams drain themselves.)
+std::vector<Engine*> g_forking;  // the retired engines locked across fork()
 void before_fork() {
   g_mu.lock();
   if (g_engine) g_engine->lock_for_fork();
-  for (Engine* e : g_retired) e->lock_for_fork();
+  g_forking = g_retired.lock_for_fork();  // none is deleted until after fork()
+  for (Engine* e : g_forking) e->lock_for_fork();
 }
 void after_fork() {
-  for (Engine* e : g_retired) e->unlock_after_fork();
+  for (Engine* e : g_forking) e->unlock_after_fork();
+  g_retired.unlock_after_fork();
   if (g_engine) g_engine->unlock_after_fork();
   g_mu.unlock();
 }
@@ -140,25 +143,13 @@ void configure_global_engine(const std::string& backend, size_t pinned_limit, si
     old->empty_cache();
   } catch (const std::exception&) {  // its stream failed (raised to its users): it retires anyway
   }
-  bool now;
-  {
-    std::lock_guard<std::mutex> lock(g_mu);
-    now = old->retire();
-    if (!now) g_retired.push_back(old);
-  }
-  if (now) delete old;
+  if (g_retired.retire(old)) delete old;
 }
 
 void delete_retired(Engine* engine) {
-  {
-    std::lock_guard<std::mutex> lock(g_mu);
-    // The caller saw the engine idle under its lock, but synchronize_all() may
-    // have entered it since (its leave() deletes it then), or another caller
-    // deleted it already: only a listed engine idle now, under g_mu, goes.
-    auto it = std::find(g_retired.begin(), g_retired.end(), engine);
-    if (it == g_retired.end() || !engine->idle()) return;
-    g_retired.erase(it);
-  }
+  // The caller saw the engine idle, but synchronize_all() may have entered it
+  // since (its leave() deletes it then), or another caller took it already.
+  if (g_retired.take_if_idle(engine) == nullptr) return;
   // Off the calling thread: it may be one of the engine's own copy-stream
   // workers (a tensor dying in a task), which the destructor joins.
   std::thread([engine] { delete engine; }).detach();
@@ -170,10 +161,14 @@ void synchronize_all() {
   {
     std::lock_guard<std::mutex> lock(g_mu);
     current = g_engine;
-    if (g_engine) engines.push_back(g_engine);
-    engines.insert(engines.end(), g_retired.begin(), g_retired.end());
-    for (Engine* e : engines) e->enter();  // none is deleted while we wait on it
+    if (g_engine) {
+      g_engine->enter();
+      engines.push_back(g_engine);
+    }
   }
+  // Each is entered: none is deleted while we wait on it.
+  const std::vector<Engine*> retired = g_retired.enter_all();
+  engines.insert(engines.end(), retired.begin(), retired.end());
   struct Leave {
     std::vector<Engine*>& engines;
     ~Leave() {
@@ -185,13 +180,15 @@ void synchronize_all() {
 }
 
 std::pair<size_t, size_t> retired_engines() {
-  // Under g_mu: a retired engine is deleted only after it left g_retired.
-  std::lock_guard<std::mutex> lock(g_mu);
-  size_t reserved = 0;
+  // Under the set's lock: a retired engine is deleted only after it left the set.
+  size_t reserved = 0, count = 0;
   // reserved_bytes(), not stats(): stats() reaps, and a tensor dying here
-  // could delete its retired engine, which takes g_mu.
-  for (Engine* e : g_retired) reserved += e->reserved_bytes();
-  return {g_retired.size(), reserved};
+  // could delete its retired engine, which takes the set's lock.
+  g_retired.for_each([&](Engine* e) {
+    reserved += e->reserved_bytes();
+    ++count;
+  });
+  return {count, reserved};
 }
 
 }  // namespace offcache

@@ -122,7 +122,7 @@ void Engine::release(HostBlock* hb) noexcept {
                      e.what());
       }
     }
-    delete_now = --live_blocks_ == 0 && retired_ && active_.load() == 0;
+    delete_now = lifetime_.release_block();
   }
   if (delete_now) {
     try {
@@ -132,28 +132,12 @@ void Engine::release(HostBlock* hb) noexcept {
   }
 }
 
-bool Engine::retire() {
-  std::lock_guard<std::mutex> guard(mu_);
-  retired_ = true;
-  return live_blocks_.load() == 0 && active_.load() == 0;
-}
-
 void Engine::leave() noexcept {
-  bool delete_now;
-  {
-    std::lock_guard<std::mutex> guard(mu_);
-    delete_now = --active_ == 0 && retired_ && live_blocks_.load() == 0;
-  }
-  if (!delete_now) return;
+  if (!lifetime_.leave()) return;
   try {
     delete_retired(this);
   } catch (...) {  // no thread to be had: the engine stays (a leak, not a crash)
   }
-}
-
-bool Engine::idle() {
-  std::lock_guard<std::mutex> guard(mu_);
-  return retired_ && live_blocks_.load() == 0 && active_.load() == 0;
 }
 
 HostBlock* Engine::allocate_host(size_t bytes, bool allow_spill, bool staging) {
@@ -184,7 +168,7 @@ HostBlock* Engine::allocate_host(size_t bytes, bool allow_spill, bool staging) {
       hb->engine = this;
       hb->block = *b;
       auto l = lock();
-      ++live_blocks_;
+      lifetime_.add_block();
       note_peaks_locked();
       return hb.release();
     }
@@ -248,7 +232,7 @@ HostBlock* Engine::allocate_host(size_t bytes, bool allow_spill, bool staging) {
   }
   hb->staging = staging;
   if (staging) staging_bytes_ += hb->block.size;
-  ++live_blocks_;
+  lifetime_.add_block();
   note_peaks_locked();
   return hb.release();
 }

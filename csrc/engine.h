@@ -29,6 +29,7 @@
 #include "core/deferred_free.h"
 #include "core/disk_file.h"
 #include "core/host_stream.h"
+#include "core/lifetime.h"
 #include "core/page_source.h"
 #include "dedup.h"
 #include "host_block.h"
@@ -141,15 +142,12 @@ class Engine {
 
   // DataPtr deleter path; may run on any thread; never throws.
   void release(HostBlock* block) noexcept;
-  // This engine was replaced (configure()): it is deleted as soon as no block
-  // of its remains. Returns true if it may be deleted now.
-  bool retire();
+  // Blocks and calls that keep a retired engine alive (core/lifetime.h).
+  Lifetime& lifetime() { return lifetime_; }
   // A call is using the engine (EngineUse): a retired engine is not deleted
   // under it. leave() deletes it if it was the last reason to live.
-  void enter() { ++active_; }
+  void enter() { lifetime_.enter(); }
   void leave() noexcept;
-  // Retired, with no live block and no call using it (needs g_mu, takes mu_).
-  bool idle();
 
   // Fork: held across fork() so no engine lock is taken at that moment.
   void lock_for_fork() { mu_.lock(); }
@@ -241,9 +239,7 @@ class Engine {
   bool spill_warned_ = false;
   bool timing_ = false;
   bool broken_ = false;  // a release found the CUDA context broken
-  bool retired_ = false;
-  std::atomic<size_t> live_blocks_{0};
-  std::atomic<size_t> active_{0};
+  Lifetime lifetime_;
   size_t staging_bytes_ = 0;  // host blocks used as snapshot staging (needs mu_)
   size_t device_notes_ = 0;   // note_device_access calls, for pruning the device maps
   // Per GPU: the staging size that last ran out of device memory, and until when
@@ -293,7 +289,8 @@ bool global_engine_created();
 void synchronize_all();
 // Engines replaced by configure() that still serve tensors, and their reserved bytes.
 std::pair<size_t, size_t> retired_engines();
-// Called by a retired engine's last release: deletes it off the calling thread.
+// Called when a retired engine may have become idle (its last block or call
+// went): deletes it, off the calling thread, if it is still listed and idle.
 void delete_retired(Engine* engine);
 
 }  // namespace offcache

@@ -487,15 +487,30 @@ def set_pinned_limit(limit: str | int) -> None:
     _resolved["pinned_limit"] = n
 
 
+# Model weights (offcache.compressed_tensors counts them; process-wide, never reset).
+WEIGHT_COUNTERS: dict[str, int | float] = {
+    "weight_onload_bytes": 0,  # onloads of offloaded weights, served by a fetch or a prefetch
+    "weight_prefetch_bytes": 0,  # fetched ahead of use
+    "weight_writeback_bytes": 0,  # update_offload copies into the arena
+    "weight_prefetch_hits": 0,  # onloads served by a prefetched copy
+    "weight_prefetch_misses": 0,  # onloads that fetched (with prefetch on)
+    "weight_prefetch_skips": 0,  # prefetches not issued: no device memory, or the fetch failed
+    "weight_host_waits": 0,  # times the host blocked on a weight copy
+    "weight_stream_waits": 0,  # onloads to a GPU whose copy was still in flight: its stream waited
+    "weight_host_wait_seconds": 0.0,
+}
+
+
 def stats() -> dict:
     """Counters of the process's engine: bytes pinned, in use, pageable, in flight, copied, ...
 
     Disk tier: disk_bytes (in use), disk_reserved_bytes (files' size), disk_files,
     disk_write_bytes / disk_read_bytes and disk_write_seconds / disk_read_seconds (I/O thread
     time), disk_fallbacks (direct I/O refused: buffered I/O instead), host_limit_bytes (with or
-    without a disk tier).
+    without a disk tier). Model weights (``patch_llmcompressor(weights=True)``): the ``weight_*``
+    keys of WEIGHT_COUNTERS.
     """
-    return _C.stats()
+    return {**_C.stats(), **WEIGHT_COUNTERS}
 
 
 def synchronize() -> None:

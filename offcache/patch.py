@@ -122,8 +122,11 @@ def check_llmcompressor(source) -> None:
         )
 
 
-def patch_llmcompressor() -> list[str]:
+def patch_llmcompressor(weights: bool = False) -> list[str]:
     """Use offcache's cache in every llm-compressor module that holds the original.
+
+    weights=True also puts compressed-tensors' offloaded model weights (CPU, disk) on the engine
+    (offcache.compressed_tensors.patch); weights=False leaves the weights as they are.
 
     Covers the sequential pipeline, AWQ and any other module that imported the
     class (modules imported later by llm-compressor itself are covered too,
@@ -149,11 +152,20 @@ def patch_llmcompressor() -> list[str]:
                 _originals[(name, attr)] = originals[attr]
                 setattr(module, attr, replacements[attr])
                 patched.append(name)
+    if weights:
+        from offcache import compressed_tensors
+
+        compressed_tensors.patch()
     return sorted(set(patched) | {name for name, _ in _originals})
 
 
 def unpatch_llmcompressor() -> None:
-    """Restore llm-compressor's own classes wherever patch_llmcompressor() replaced them."""
+    """Restore llm-compressor's own classes wherever patch_llmcompressor() replaced them.
+
+    Also restores compressed-tensors' weight offloading if weights=True patched it.
+    """
+    if "offcache.compressed_tensors" in sys.modules:
+        sys.modules["offcache.compressed_tensors"].unpatch()
     for (name, attr), original in list(_originals.items()):
         module = sys.modules.get(name)
         if module is not None:

@@ -1,5 +1,7 @@
 """The oneshot section at its reduced CPU size: llm-compressor's real sequential GPTQ, four runs
-(llm-compressor's cache and offcache's, sequential prefetch off and on), weights bit-identical."""
+(llm-compressor's cache and offcache's, sequential prefetch off and on) and three with the weights
+offloaded (llm-compressor, offcache's activations, offcache's activations and weights), weights
+bit-identical."""
 
 import json
 
@@ -9,7 +11,7 @@ pytest.importorskip("llmcompressor")
 pytest.importorskip("datasets")
 
 from offcache.bench.__main__ import main  # noqa: E402
-from offcache.bench.oneshot import RUNS  # noqa: E402
+from offcache.bench.oneshot import RUNS, WEIGHT_RUNS  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -18,25 +20,36 @@ def test_oneshot_section_gives_bit_identical_weights(tmp_path, capsys):
     assert main(["oneshot", "--tiny", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     rows = results["oneshot"]
-    assert [(r["impl"], r["prefetch"]) for r in rows] == RUNS
+    assert [(r["impl"], r["prefetch"]) for r in rows] == RUNS + WEIGHT_RUNS
+    assert [r["weights"] for r in rows] == ["on the device"] * 4 + ["offloaded to the CPU"] * 3
     assert rows[0]["reference"] is None  # llm-compressor without prefetch: what the others are compared with
     assert [r["reference"] for r in rows[1:]] == [
         "llmcompressor, prefetch False",
         "llmcompressor, prefetch False",
         "llmcompressor, prefetch True",
+        "llmcompressor, prefetch False",
+        "llmcompressor, prefetch False, weights offloaded",
+        "llmcompressor, prefetch False, weights offloaded",
     ]
     assert all(r["bit_identical"] is True for r in rows[1:]), rows
     assert all(r["quantized"] for r in rows)
     for r in rows:
         assert r["wall_s"] > 0
-        if r["impl"] == "offcache":
+        if r["impl"] != "llmcompressor":
             assert r["offcache_stores"] > 0, "offcache's cache was not used"
             assert r["speedup_vs_llmcompressor"] > 0
         else:
             assert r["offcache_stores"] == 0, "offcache's cache was used while unpatched"
+        if r["impl"] == "offcache+weights":
+            assert r["weight_onload_bytes"] > 0 and r["weight_prefetch_hits"] > 0
+            assert 0 <= r["weight_wait_fraction"] < 1
+            subgraphs = [x for x in r["weight_subgraphs"] if x["index"] is not None]
+            assert len(subgraphs) >= 2 and all(x["misses"] == 0 and x["hits"] > 0 for x in subgraphs[1:])
+        else:
+            assert r["weight_onload_bytes"] == 0, "offcache's weight offloading was used while not patched in"
     assert results["runs"]["oneshot"]["command"].endswith("oneshot --tiny --out " + str(tmp_path))
     assert (tmp_path / "pipeline.png").stat().st_size > 1000
-    assert "weights bit-identical 3/3" in capsys.readouterr().out
+    assert "weights bit-identical 6/6" in capsys.readouterr().out
     import llmcompressor.pipelines.cache as lc_cache
 
     import offcache

@@ -7,7 +7,8 @@ between implementations measured in the same run mean anything.
 
 Sections: all (transfer, overlap, small, pipeline, kv), transfer, overlap,
 small, pipeline (with pinned and timeline), kv, soak, oneshot, disk (the disk
-tier; its folder is OFFCACHE_BENCH_DISK_DIR, else the temp folder). Each section
+tier; its folder is OFFCACHE_BENCH_DISK_DIR, else the temp folder), weights
+(compressed-tensors' offloaded weights: its CPUCache against offcache's). Each section
 merges its results into DIR/results.json, keeping what earlier runs wrote there,
 and records its command, date, device and build under "runs"; the plots are
 redrawn from everything the file holds.
@@ -28,7 +29,7 @@ from offcache.bench.common import Context, device_info, load_results, run_info, 
 from offcache.bench.plots import plot_all
 
 ALL = ("transfer", "overlap", "small", "pipeline", "kv")
-SECTIONS = (*ALL, "soak", "oneshot", "disk")
+SECTIONS = (*ALL, "soak", "oneshot", "disk", "weights")
 # The results.json keys each section writes.
 KEYS = {"pipeline": ("pipeline", "pinned", "timeline")}
 
@@ -88,6 +89,10 @@ def run_section(name: str, ctx: Context, args: argparse.Namespace) -> dict:
         from offcache.bench.disk import run_disk
 
         return {"disk": run_disk(ctx)}
+    if name == "weights":
+        from offcache.bench.weights import run_weights
+
+        return {"weights": run_weights(ctx)}
     raise ValueError(f"unknown section {name!r}")
 
 
@@ -186,6 +191,10 @@ def summary(r: dict, names=SECTIONS) -> str:
         from offcache.bench.disk import summary_lines
 
         lines.extend(summary_lines(r["disk"]))
+    if "weights" in names and r.get("weights"):
+        from offcache.bench import weights
+
+        lines.extend(weights.summary_lines(r["weights"]))
     return "\n".join(lines)
 
 

@@ -9,6 +9,15 @@ llm-compressor run with the same prefetch setting; llm-compressor with prefetch
 against llm-compressor without), and for offcache the speedup over
 llm-compressor with the same prefetch setting.
 
+Then three runs with the model's weights offloaded to the CPU (the model is left on the CPU, so
+the pipeline's ``set_onload_device`` wraps every module in compressed-tensors' ``CPUCache``):
+llm-compressor as shipped, offcache's activation cache only, and offcache's activations and
+weights (``patch_llmcompressor(weights=True)``, next-subgraph prefetch on), each compared bit
+for bit with the first and timed with its weight counters (host waits and their seconds).
+OFFCACHE_BENCH_ONESHOT_WEIGHTS=0 leaves them out. On a CPU-only host every run's weights are
+"offloaded" to the CPU they run on; only offcache's weights copy (CPUCache hands out the
+tensor itself).
+
 Sizes: on a GPU hidden 2048, 6 layers, 128 samples x 512 tokens in bf16, the
 model on the GPU (the sequential pipeline onloads to llm-compressor's main
 device, the GPU, and the activations are offloaded to the CPU by the cache
@@ -62,6 +71,16 @@ RUNS = [  # interleaved, so that drift on the machine touches both caches alike
     ("llmcompressor", True),
     ("offcache", True),
 ]
+# With the weights offloaded to the CPU: llm-compressor as shipped, offcache's activations, and both.
+WEIGHT_RUNS = [
+    ("llmcompressor", False),
+    ("offcache", False),
+    ("offcache+weights", False),
+]
+
+
+def weight_runs() -> list[tuple[str, bool]]:
+    return [] if os.environ.get("OFFCACHE_BENCH_ONESHOT_WEIGHTS", "1") == "0" else WEIGHT_RUNS
 
 
 def calibration_set(shape: Shape):
@@ -72,11 +91,13 @@ def calibration_set(shape: Shape):
     return datasets.Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * shape.tokens] * shape.samples})
 
 
-def _load(ctx: Context, model_dir: Path, dtype: torch.dtype):
+def _load(ctx: Context, model_dir: Path, dtype: torch.dtype, offload_weights: bool = False):
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    return model.to(ctx.device).eval(), transformers.AutoTokenizer.from_pretrained(model_dir)
+    if not offload_weights:  # on the device: the pipeline's onload is a no-op
+        model = model.to(ctx.device)
+    return model.eval(), transformers.AutoTokenizer.from_pretrained(model_dir)
 
 
 def _sync(ctx: Context) -> None:
@@ -85,13 +106,15 @@ def _sync(ctx: Context) -> None:
         torch.cuda.synchronize(ctx.device)
 
 
-def quantize(ctx: Context, model_dir: Path, dtype: torch.dtype, shape: Shape, dataset, prefetch: bool):
-    """One oneshot run: (wall seconds of oneshot, the quantized state dict on the CPU)."""
+def quantize(
+    ctx: Context, model_dir: Path, dtype: torch.dtype, shape: Shape, dataset, prefetch: bool, offload_weights=False
+):
+    """One oneshot run: (wall seconds of oneshot, the quantized state dict on the CPU, stats after oneshot)."""
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import GPTQModifier
 
     torch.manual_seed(0)
-    model, tokenizer = _load(ctx, model_dir, dtype)
+    model, tokenizer = _load(ctx, model_dir, dtype, offload_weights)
     _sync(ctx)
     t0 = time.perf_counter()
     oneshot(
@@ -107,12 +130,17 @@ def quantize(ctx: Context, model_dir: Path, dtype: torch.dtype, shape: Shape, da
     )
     _sync(ctx)
     wall = time.perf_counter() - t0
+    during = offcache.stats()  # before the state dict is read back (its onloads are not oneshot's)
     state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     del model
     gc.collect()
     if ctx.gpu:
         torch.cuda.empty_cache()
-    return wall, state
+    return wall, state, during
+
+
+def _name(run: tuple[str, bool, bool]) -> str:
+    return f"{run[0]}, prefetch {run[1]}" + (", weights offloaded" if run[2] else "")
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -151,38 +179,45 @@ def run_oneshot(ctx: Context) -> list[dict]:
             dataset = calibration_set(shape)
             if not ctx.tiny:
                 _warm_up(ctx, model_dir, dtype, shape)
-            states: dict[tuple[str, bool], dict] = {}
-            walls: dict[tuple[str, bool], float] = {}
-            for impl, prefetch in RUNS:
+            states: dict[tuple[str, bool, bool], dict] = {}
+            walls: dict[tuple[str, bool, bool], float] = {}
+            runs = [(i, p, False) for i, p in RUNS] + [(i, p, True) for i, p in weight_runs()]
+            for impl, prefetch, offloaded in runs:
                 offcache.unpatch_llmcompressor()
                 before = offcache.stats()
-                if impl == "offcache":
+                if impl != "llmcompressor":
                     offcache.empty_cache()  # each run pins its arena afresh, as a new process would
-                    offcache.patch_llmcompressor()
+                    offcache.patch_llmcompressor(weights=impl == "offcache+weights")
                 try:
-                    wall, state = quantize(ctx, model_dir, dtype, shape, dataset, prefetch)
+                    wall, state, after = quantize(ctx, model_dir, dtype, shape, dataset, prefetch, offloaded)
                 finally:
                     offcache.unpatch_llmcompressor()
-                after = offcache.stats()
-                if impl == "llmcompressor":
-                    reference = ("llmcompressor", False) if prefetch else None
+                if impl == "llmcompressor":  # against llm-compressor without prefetch, weights on the device
+                    reference = ("llmcompressor", False, False) if prefetch or offloaded else None
                 else:
-                    reference = ("llmcompressor", prefetch)
+                    reference = ("llmcompressor", prefetch, offloaded)
                 row = {
                     "impl": impl,
                     "prefetch": prefetch,
+                    "weights": "offloaded to the CPU" if offloaded else "on the device",
                     "wall_s": wall,
-                    "reference": None if reference is None else f"{reference[0]}, prefetch {reference[1]}",
+                    "reference": None if reference is None else _name(reference),
                     "bit_identical": None if reference is None else _same(state, states[reference]),
                     "quantized": any(k.endswith("weight_scale") for k in state),
                     "offcache_stores": after["stores"] - before["stores"],
                     "offcache_d2h_bytes": after["d2h_bytes"] - before["d2h_bytes"],
                     "offcache_h2d_bytes": after["h2d_bytes"] - before["h2d_bytes"],
                 }
-                if impl == "offcache":
-                    row["speedup_vs_llmcompressor"] = walls[("llmcompressor", prefetch)] / wall
-                states[(impl, prefetch)] = state
-                walls[(impl, prefetch)] = wall
+                row.update({k: after[k] - before[k] for k in after if k.startswith("weight_")})
+                if impl == "offcache+weights":  # per disable_offloading() context: hits, misses, waits
+                    from offcache import compressed_tensors as oc_ct
+
+                    row["weight_subgraphs"] = oc_ct.subgraph_stats()
+                row["weight_wait_fraction"] = row["weight_host_wait_seconds"] / wall
+                if impl != "llmcompressor":
+                    row["speedup_vs_llmcompressor"] = walls[("llmcompressor", prefetch, offloaded)] / wall
+                states[(impl, prefetch, offloaded)] = state
+                walls[(impl, prefetch, offloaded)] = wall
                 rows.append(row)
     finally:
         torch.set_num_threads(threads)
@@ -197,9 +232,16 @@ def describe(rows: list[dict]) -> str:
     same = sum(bool(r["bit_identical"]) for r in compared)
     parts = [f"oneshot GPTQ W4A16: weights bit-identical {same}/{len(compared)}"]
     for r in rows:
-        if r["impl"] == "offcache":
+        if r["impl"] != "llmcompressor":
+            where = "" if r["weights"] == "on the device" else ", weights offloaded"
             parts.append(
-                f"prefetch {'on' if r['prefetch'] else 'off'}: {r['wall_s']:.2f}s vs llm-compressor "
-                f"{r['wall_s'] * r['speedup_vs_llmcompressor']:.2f}s ({r['speedup_vs_llmcompressor']:.2f}x)"
+                f"{r['impl']} prefetch {'on' if r['prefetch'] else 'off'}{where}: {r['wall_s']:.2f}s vs "
+                f"llm-compressor {r['wall_s'] * r['speedup_vs_llmcompressor']:.2f}s "
+                f"({r['speedup_vs_llmcompressor']:.2f}x)"
+            )
+        if r["impl"] == "offcache+weights":
+            parts.append(
+                f"weights: {r['weight_host_waits']} host waits ({r['weight_wait_fraction']:.1%} of wall), "
+                f"{r['weight_prefetch_hits']} prefetch hits, {r['weight_prefetch_misses']} misses"
             )
     return "; ".join(parts)

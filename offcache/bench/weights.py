@@ -1,0 +1,315 @@
+"""Section weights (``python -m offcache.bench weights``): offloaded model weights, onloaded per subgraph.
+
+A stack of S "subgraphs", each L linear layers of hidden size H, whose weights are offloaded
+with compressed-tensors' ``offload_module`` (onload device: the benchmark device, offload:
+the CPU) and run the sequential pipeline's way: per subgraph a ``disable_offloading()``
+context and two passes over B batches. Rows, measured side by side in one run:
+
+- ``compute_only``: the same forwards with the weights resident on the device (the bound);
+- ``compressed_tensors``: compressed-tensors' ``CPUCache`` as shipped (a blocking pageable
+  ``Tensor.to`` per weight; on a CPU-only host an onload to the CPU is the tensor itself, so
+  this row copies nothing there);
+- ``offcache``: ``OffcacheCPUCache`` without prefetch (``OFFCACHE_WEIGHT_PREFETCH=0``);
+- ``offcache_prefetch``: with the next subgraph's weights prefetched (k=1).
+
+Columns: wall seconds (median of R), wall over compute_only, host waits for weights per
+subgraph, H2D bytes, and prefetch hits/misses. ``raw_pinned`` times a plain pinned
+``Tensor.to(non_blocking=True)`` of one subgraph's weights against the engine's fetch of the
+same weights (the weight-H2D bar). The ``disk_*`` rows do the same with the weights offloaded
+to disk (a safetensors file per weight): compressed-tensors' ``DiskCache`` against offcache's
+without and with prefetch, and a raw sequential read of the same files.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager
+
+import torch
+
+import offcache
+from offcache.bench.common import Context, median, spread
+
+
+def _shape(ctx: Context) -> dict:
+    if ctx.tiny:
+        return dict(S=3, L=2, H=128, B=2, T=16, R=1)
+    if ctx.gpu:
+        return dict(S=8, L=4, H=4096, B=8, T=2048, R=3)
+    return dict(S=6, L=2, H=512 if ctx.quick else 1024, B=3, T=64, R=3)
+
+
+class _Subgraph:
+    """What the sequential pipeline uses of a subgraph: forward(model, **inputs), submodules(model)."""
+
+    def __init__(self, layers):
+        self.layers = layers
+
+    def forward(self, model, x):
+        for layer in self.layers:
+            x = torch.nn.functional.linear(x, layer.weight, layer.bias).relu_()
+        return x
+
+    def submodules(self, model, recurse=True):
+        return list(self.layers)
+
+
+def _layers(shape, dtype, device):
+    torch.manual_seed(0)
+    with torch.device(device):
+        return [
+            [torch.nn.Linear(shape["H"], shape["H"], dtype=dtype) for _ in range(shape["L"])] for _ in range(shape["S"])
+        ]
+
+
+def _run(ctx: Context, subgraphs, batches):
+    from compressed_tensors.offload import disable_offloading
+
+    ctx.sync()
+    t0 = time.perf_counter()
+    for subgraph in subgraphs:
+        with disable_offloading():
+            for _pass in range(2):
+                for x in batches:
+                    subgraph.forward(None, x)
+    ctx.sync()
+    return time.perf_counter() - t0
+
+
+@contextmanager
+def _env(name, value):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def _offloaded(shape, dtype, device):
+    from compressed_tensors.offload import offload_module
+
+    layers = _layers(shape, dtype, "cpu")
+    for sub in layers:
+        for layer in sub:
+            offload_module(layer, device, torch.device("cpu"))
+    return layers
+
+
+def run_weights(ctx: Context) -> list[dict]:
+    import compressed_tensors  # noqa: F401  (ImportError names what is missing)
+
+    from offcache import compressed_tensors as oc_ct
+
+    shape = _shape(ctx)
+    dtype = torch.bfloat16 if ctx.gpu else torch.float32
+    S, R = shape["S"], shape["R"]
+    weight_bytes = S * shape["L"] * (shape["H"] * shape["H"] + shape["H"]) * dtype.itemsize
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(shape["T"], shape["H"], generator=g).to(ctx.device, dtype) for _ in range(shape["B"])]
+    threads = torch.get_num_threads()
+    rows: list[dict] = []
+    offcache.unpatch_llmcompressor()
+    try:
+        resident = [_Subgraph(sub) for sub in _layers(shape, dtype, ctx.device)]
+        compute: list[float] = []
+        walls: dict[str, list[float]] = {"compressed_tensors": [], "offcache": [], "offcache_prefetch": []}
+        stats: dict[str, dict] = {}
+        for repeat in range(R + 1):  # interleaved, the bound too; the first round warms up
+            wall = _run(ctx, resident, batches)
+            if repeat:
+                compute.append(wall)
+            for impl in walls:
+                if impl == "compressed_tensors":
+                    oc_ct.unpatch()
+                else:
+                    oc_ct.patch()
+                try:
+                    layers = _offloaded(shape, dtype, ctx.device)
+                    with _env("OFFCACHE_WEIGHT_PREFETCH", "1" if impl == "offcache_prefetch" else "0"):
+                        subgraphs = [_Subgraph(sub) for sub in layers]
+                        if impl != "compressed_tensors":
+                            subgraphs = oc_ct._wrap_subgraphs(subgraphs)
+                        before = offcache.stats()
+                        wall = _run(ctx, subgraphs, batches)
+                        after = offcache.stats()
+                finally:
+                    oc_ct.unpatch()
+                if repeat:
+                    walls[impl].append(wall)
+                    stats[impl] = {k: after[k] - before[k] for k in after if isinstance(after[k], (int, float))}
+                del layers, subgraphs
+        del resident
+        rows.append({"impl": "compute_only", "wall_s": median(compute), "spread": spread(compute)})
+        bound = rows[0]["wall_s"]
+        onload_bytes = weight_bytes  # every weight onloaded once per subgraph context
+        for impl, ws in walls.items():
+            s = stats[impl]
+            row = {
+                "impl": impl,
+                "wall_s": median(ws),
+                "spread": spread(ws),
+                "vs_compute_only": median(ws) / bound,
+                "weight_bytes": weight_bytes,
+            }
+            if impl == "compressed_tensors":
+                # CPUCache's onload is a blocking Tensor.to per weight: the host waits for each copy.
+                n = S * shape["L"] * 2
+                copies = ctx.gpu
+                row |= {
+                    "h2d_bytes": onload_bytes if copies else 0,
+                    "host_waits_per_subgraph": n / S if copies else 0.0,
+                    "note": None if copies else "onload to the CPU is the offloaded tensor itself: no copy",
+                }
+            else:
+                row |= {
+                    "h2d_bytes": s["h2d_bytes"],
+                    "host_waits_per_subgraph": s["weight_host_waits"] / S,
+                    "host_wait_s": s["weight_host_wait_seconds"],
+                    "prefetch_hits": s["weight_prefetch_hits"],
+                    "prefetch_misses": s["weight_prefetch_misses"],
+                    "prefetch_skips": s["weight_prefetch_skips"],
+                }
+            rows.append(row)
+        rows.append(_raw_vs_engine(ctx, shape, dtype))
+        rows.extend(_disk(ctx, shape, dtype))
+    finally:
+        torch.set_num_threads(threads)
+        offcache.unpatch_llmcompressor()
+    for r in rows:
+        r.update(shape=shape, dtype=str(dtype).removeprefix("torch."), device=str(ctx.device))
+    return rows
+
+
+def _raw_vs_engine(ctx: Context, shape, dtype) -> dict:
+    """One subgraph's weights, H2D: a raw pinned Tensor.to(non_blocking) against the engine's fetch."""
+    from offcache import _engine
+
+    n = shape["L"] * 2
+    sources = [torch.randn(shape["H"], shape["H"]).to(dtype) for _ in range(n)]
+    pinned = [t.pin_memory() if ctx.gpu else t for t in sources]
+    stored = _engine.store(sources, torch.device("cpu"))
+    for t in stored:
+        _engine.wait_stored(t)
+    nbytes = sum(t.nbytes for t in sources)
+    raw, ours = [], []
+    for _ in range(shape["R"] + 2):
+        ctx.sync()
+        t0 = time.perf_counter()
+        out = [t.to(ctx.device, non_blocking=True) for t in pinned] if ctx.gpu else [t.clone() for t in pinned]
+        ctx.sync()
+        raw.append(time.perf_counter() - t0)
+        del out
+        t0 = time.perf_counter()
+        out, ticket = _engine.fetch(stored, ctx.device, wait=True)
+        ctx.sync()
+        ours.append(time.perf_counter() - t0)
+        del out, ticket
+    raw_s, ours_s = median(raw[2:]), median(ours[2:])
+    return {
+        "impl": "raw_pinned_vs_engine_fetch",
+        "bytes": nbytes,
+        "raw_gbps": nbytes / raw_s / 1e9,
+        "engine_gbps": nbytes / ours_s / 1e9,
+        "engine_over_raw": raw_s / ours_s,
+        "raw": "pinned Tensor.to(non_blocking=True)" if ctx.gpu else "Tensor.clone() (no GPU)",
+    }
+
+
+def _disk(ctx: Context, shape, dtype) -> list[dict]:
+    """Weights on disk (a safetensors file per weight, as DiskCache writes them): compressed-tensors'
+    DiskCache against offcache's without and with prefetch, and a raw sequential read of the files."""
+    from compressed_tensors.offload import offload_module
+
+    from offcache import compressed_tensors as oc_ct
+
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(shape["T"], shape["H"], generator=g).to(ctx.device, dtype) for _ in range(shape["B"])]
+    impls = ("disk_compressed_tensors", "disk_offcache", "disk_offcache_prefetch")
+    walls: dict[str, list[float]] = {impl: [] for impl in impls}
+    stats: dict[str, dict] = {}
+    reads: list[float] = []
+    nbytes = 0
+    for repeat in range(shape["R"] + 1):  # interleaved; the first round warms up (and the page cache)
+        for impl in impls:
+            folder = tempfile.mkdtemp(prefix="offcache-bench-weights-", dir=os.environ.get("OFFCACHE_BENCH_DISK_DIR"))
+            try:
+                if impl != "disk_compressed_tensors":
+                    oc_ct.patch()
+                layers = _layers(shape, dtype, "cpu")
+                for sub in layers:
+                    for layer in sub:
+                        offload_module(layer, ctx.device, "disk", offload_dir=folder)
+                subgraphs = [_Subgraph(sub) for sub in layers]
+                with _env("OFFCACHE_WEIGHT_PREFETCH", "1" if impl.endswith("prefetch") else "0"):
+                    if impl != "disk_compressed_tensors":
+                        subgraphs = oc_ct._wrap_subgraphs(subgraphs)
+                    before = offcache.stats()
+                    wall = _run(ctx, subgraphs, batches)
+                    after = offcache.stats()
+                if repeat:
+                    walls[impl].append(wall)
+                    stats[impl] = {k: after[k] - before[k] for k in after if isinstance(after[k], (int, float))}
+                if impl == "disk_compressed_tensors":
+                    files = sorted(os.path.join(folder, f) for f in os.listdir(folder))
+                    nbytes = sum(os.path.getsize(f) for f in files)
+                    t0 = time.perf_counter()
+                    for f in files:
+                        with open(f, "rb") as fh:
+                            while fh.read(1 << 24):
+                                pass
+                    if repeat:
+                        reads.append(time.perf_counter() - t0)
+                del layers, subgraphs
+            finally:
+                oc_ct.unpatch()
+                shutil.rmtree(folder, ignore_errors=True)
+    rows = []
+    for impl in impls:
+        row = {"impl": impl, "wall_s": median(walls[impl]), "spread": spread(walls[impl]), "file_bytes": nbytes}
+        if impl != "disk_compressed_tensors":
+            s = stats[impl]
+            row |= {
+                "h2d_bytes": s["h2d_bytes"],
+                "host_waits_per_subgraph": s["weight_host_waits"] / shape["S"],
+                "prefetch_hits": s["weight_prefetch_hits"],
+                "prefetch_misses": s["weight_prefetch_misses"],
+            }
+            if not ctx.gpu:
+                row["note"] = "onload to the CPU: a copy out of the file's mapping; no prefetch (nothing to overlap)"
+        rows.append(row)
+    rows.append(
+        {
+            "impl": "disk_raw_sequential_read",
+            "wall_s": median(reads),
+            "gbps": nbytes / median(reads) / 1e9,
+            "note": "the same files, read in order right after they were written (the page cache serves them)",
+        }
+    )
+    return rows
+
+
+def summary_lines(rows: list[dict]) -> list[str]:
+    lines = ["weights (offloaded, per-subgraph onload; wall s, x compute-only, host waits/subgraph, H2D MiB):"]
+    for r in rows:
+        if "vs_compute_only" in r:
+            lines.append(
+                f"  {r['impl']:20} {r['wall_s']:.3f}  {r['vs_compute_only']:.2f}x  "
+                f"{r['host_waits_per_subgraph']:.2f}  {r['h2d_bytes'] / 2**20:.1f}"
+            )
+        elif r["impl"] == "compute_only":
+            lines.append(f"  {'compute_only':20} {r['wall_s']:.3f}")
+        elif r["impl"] == "raw_pinned_vs_engine_fetch":
+            lines.append(
+                f"  weight H2D: engine {r['engine_gbps']:.2f} GB/s vs raw {r['raw_gbps']:.2f} GB/s "
+                f"({r['engine_over_raw']:.0%})"
+            )
+        elif "wall_s" in r:
+            lines.append(f"  {r['impl']:20} {r['wall_s']:.3f}")
+    return lines

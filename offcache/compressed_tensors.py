@@ -1,0 +1,613 @@
+"""compressed-tensors' offloaded model weights on the offcache engine.
+
+``offcache.patch_llmcompressor(weights=True)`` calls ``patch()`` here:
+
+- ``OffloadCache.cls_from_device`` returns ``OffcacheCPUCache`` for a non-distributed
+  ``"cpu"`` offload and ``OffcacheDiskCache`` for ``"disk"`` (the classes ``offload_module``
+  builds every module's cache from).
+  Distributed runs keep compressed-tensors' classes: they share one copy of the weights
+  per node through /dev/shm, where a per-rank arena would pin one copy per rank.
+- ``OffcacheCPUCache`` is compressed-tensors' ``CPUCache`` with its three device moves on
+  the engine: ``offload`` snapshots into the pinned arena (and waits: the result is
+  readable on return, as CPUCache's), ``onload`` is an engine fetch
+  (the consumer's stream waits on an event, the host does not), ``update_offload`` an
+  asynchronous copy back into the same arena block. Everything else (``__getitem__``,
+  ``keep_onloaded_values``, the ``disable_*`` contexts, ``__delitem__``) is the base class's.
+- ``OffcacheDiskCache`` is ``DiskCache`` with its onload reading the safetensors file through
+  a mapping and the engine's fetch (so that it can be prefetched); its index, symlinks and
+  update files are DiskCache's.
+- The sequential pipeline's subgraphs are learnt by wrapping ``trace_subgraphs``: after the
+  first forward of subgraph *i*, the weights of subgraphs *i+1 .. i+k* are fetched on the
+  engine's stream (``OFFCACHE_WEIGHT_PREFETCH``, default k=1; 0 turns prefetch off). An
+  onload of a prefetched tensor hands out the prefetched copy. Prefetched copies die at the
+  end of the ``disable_offloading()`` context of the subgraph they were fetched for.
+
+Write-backs are visible to every later read: an onload or a fetch is ordered after them on
+the engine's streams, a read of the offloaded tensor through ``__getitem__`` under
+``disable_onloading()`` waits for them, and every write-back has landed when the outermost
+``disable_offloading()`` context ends (and at once for an update outside one). A host read
+of ``offloaded_values`` directly, inside the context, may see the old bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import struct
+import sys
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from compressed_tensors.offload.cache.base import OffloadCache
+from compressed_tensors.offload.cache.cpu import CPUCache
+from compressed_tensors.offload.cache.disk import DiskCache
+from compressed_tensors.offload.cache.utils import catch_cpu_mem_error
+from compressed_tensors.offload.utils import to_tensor
+from loguru import logger  # llm-compressor's and compressed-tensors' logger: its INFO lines show
+
+from offcache import _engine
+
+__all__ = [
+    "OffcacheCPUCache",
+    "OffcacheDiskCache",
+    "is_patched",
+    "patch",
+    "prefetch",
+    "prefetch_depth",
+    "subgraph_stats",
+    "unpatch",
+]
+
+_CPU = torch.device("cpu")
+Tensor = torch.Tensor
+COUNTERS = _engine.WEIGHT_COUNTERS
+
+
+def prefetch_depth() -> int:
+    """Subgraphs whose weights are fetched ahead: OFFCACHE_WEIGHT_PREFETCH (0, 1 or k; default 1)."""
+    raw = os.environ.get("OFFCACHE_WEIGHT_PREFETCH", "").strip() or "1"
+    try:
+        k = int(raw)
+    except ValueError:
+        k = -1
+    if k < 0:
+        raise ValueError(f"OFFCACHE_WEIGHT_PREFETCH must be an integer >= 0, got {raw!r}")
+    return k
+
+
+# --- bookkeeping shared by every cache -------------------------------------------------------
+
+
+@dataclass
+class _Prefetched:
+    offloaded: Tensor  # held so that id(offloaded) stays the key's tensor
+    onloaded: Tensor
+    ticket: Any
+    device: torch.device
+    version: int  # offloaded._version when fetched: an in-place edit since makes it stale
+    target: int  # the subgraph it was fetched for; it dies with that subgraph's context
+    nbytes: int
+
+
+@dataclass
+class _Subgraph:
+    """What one outermost disable_offloading() context moved (``subgraph_stats()``)."""
+
+    index: int | None = None  # the pipeline subgraph that ran in it, if one did
+    onloaded_bytes: int = 0
+    prefetched_bytes: int = 0  # of onloaded_bytes, served by a prefetch
+    hits: int = 0
+    misses: int = 0
+    host_waits: int = 0
+    written_back_bytes: int = 0
+
+    def line(self) -> str:
+        hidden = self.prefetched_bytes / self.onloaded_bytes if self.onloaded_bytes else 1.0
+        return (
+            f"offcache weights, subgraph {self.index}: {self.onloaded_bytes / 2**20:.2f} MiB onloaded, "
+            f"{hidden:.0%} prefetched ({self.hits} hits, {self.misses} misses), "
+            f"{self.host_waits} host waits, {self.written_back_bytes / 2**20:.2f} MiB written back"
+        )
+
+
+@dataclass
+class _State:
+    prefetched: dict[int, _Prefetched] = field(default_factory=dict)
+    pending: dict[int, tuple[Tensor, Any]] = field(default_factory=dict)  # write-backs in flight
+    current: _Subgraph | None = None  # the open outermost disable_offloading() context
+    history: list[_Subgraph] = field(default_factory=list)
+
+
+_state = _State()
+
+
+def subgraph_stats() -> list[dict]:
+    """Per outermost ``disable_offloading()`` context since ``patch()``: bytes, hits, misses, waits."""
+    return [vars(s).copy() for s in _state.history]
+
+
+def _wait(ticket, device: torch.device) -> None:
+    """Make the consumer wait for a fetch; only a CPU consumer (host backend) blocks the host.
+
+    A GPU consumer's stream waits on the copy's event instead; one still in flight when handed
+    out is counted (weight_stream_waits): the GPU may idle there.
+    """
+    if ticket.query():
+        ticket.wait()
+    elif device.type == "cpu":
+        t0 = time.perf_counter()
+        ticket.wait()
+        COUNTERS["weight_host_waits"] += 1
+        COUNTERS["weight_host_wait_seconds"] += time.perf_counter() - t0
+        if _state.current is not None:
+            _state.current.host_waits += 1
+    else:
+        ticket.wait()
+        COUNTERS["weight_stream_waits"] += 1
+
+
+def _flush(offloaded: Tensor) -> None:
+    """Block until the write-back into `offloaded` (if any) has landed, for a host read."""
+    entry = _state.pending.pop(id(offloaded), None)
+    if entry is None or entry[0] is not offloaded:
+        return
+    if not entry[1].query():
+        t0 = time.perf_counter()
+        _engine.wait_stored(offloaded)
+        COUNTERS["weight_host_waits"] += 1
+        COUNTERS["weight_host_wait_seconds"] += time.perf_counter() - t0
+        if _state.current is not None:
+            _state.current.host_waits += 1
+
+
+def _flush_all() -> None:
+    for offloaded, _ in list(_state.pending.values()):
+        _flush(offloaded)
+
+
+def _like(new: Tensor, like: Tensor, onloaded: bool = False) -> Tensor:
+    """`new` with the tensor subclass and attributes of `like`, as compressed-tensors' send_tensors.
+
+    An onloaded copy does not require grad, as ``Tensor.to`` under no_grad gives it.
+    """
+    if onloaded and new.requires_grad:
+        new.requires_grad_(False)
+    if new.__class__ is not like.__class__:
+        new.__class__ = like.__class__
+    new.__dict__ = like.__dict__.copy()
+    return new
+
+
+def _drop_prefetched(offloaded: Tensor) -> None:
+    entry = _state.prefetched.pop(id(offloaded), None)
+    if entry is not None and entry.offloaded is not offloaded:  # an id reused: not ours to drop
+        _state.prefetched[id(offloaded)] = entry
+
+
+def _take_prefetched(offloaded: Tensor, device: torch.device) -> Tensor | None:
+    entry = _state.prefetched.pop(id(offloaded), None)
+    if entry is None:
+        return None
+    if entry.offloaded is not offloaded or entry.device != device or entry.version != offloaded._version:
+        return None  # stale (edited in place since) or for another device: fetch afresh
+    _wait(entry.ticket, device)
+    return entry.onloaded
+
+
+def _device_free_bytes(device: torch.device) -> int | None:
+    """Bytes a prefetch may take on `device`; None: no limit known (the host backend's CPU)."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)(device)
+    limit = total * fraction - torch.cuda.memory_allocated(device)
+    # Headroom for the running subgraph's activations and GPTQ's Hessians: 10 % of the device.
+    return int(min(free + cached, limit) - 0.1 * total)
+
+
+# --- the cache classes -------------------------------------------------------------------------
+
+
+def _onload_device(cache) -> torch.device:
+    device = torch.device(cache.onload_device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _onload(cache, offloaded: Tensor | None) -> Tensor | None:
+    """The engine's onload for both cache classes: a prefetched copy, else a fetch of the source."""
+    if offloaded is None:
+        return None
+    device = _onload_device(cache)
+    nbytes = offloaded.nbytes
+    COUNTERS["weight_onload_bytes"] += nbytes
+    current = _state.current
+    onloaded = _take_prefetched(offloaded, device)
+    if onloaded is not None:
+        COUNTERS["weight_prefetch_hits"] += 1
+        if current is not None:
+            current.hits += 1
+            current.onloaded_bytes += nbytes
+            current.prefetched_bytes += nbytes
+        return onloaded
+    if _patched and prefetch_depth() > 0:
+        COUNTERS["weight_prefetch_misses"] += 1
+    if current is not None:
+        current.misses += 1
+        current.onloaded_bytes += nbytes
+    source = cache._source(offloaded)
+    (fetched,), ticket = _engine.fetch([source], device, wait=False)
+    cache._reading(offloaded, ticket)
+    _wait(ticket, device)
+    if fetched is source:  # a CPU tensor offcache does not own, onloaded to the CPU: not copied
+        fetched = source.clone()
+    return cache._finish(fetched, offloaded)
+
+
+class OffcacheCPUCache(CPUCache):
+    """compressed-tensors' ``CPUCache``, its offload, onload and update on the offcache engine."""
+
+    @catch_cpu_mem_error
+    def offload(self, tensor: Tensor | None) -> Tensor | None:
+        """A snapshot of `tensor` in the pinned arena (a CPU tensor viewing arena memory).
+
+        The same tensor offloaded twice (tied weights) gives the same offloaded tensor: the
+        engine's dedup table serves the second store. A tensor offcache holds (arena, spilled
+        or disk tier) is offloaded already and comes back as is, as CPUCache gives back a CPU one.
+        """
+        if tensor is None:
+            return None
+        if _engine.is_offcache_tensor(tensor):
+            return tensor
+        with torch.no_grad():
+            (stored,) = _engine.store([tensor], _CPU)
+        # CPUCache's offload is readable on return (callers read it on the host, and the
+        # source may be the last copy of a loaded model's tensor): wait for it. Offloads happen
+        # once, when a model is dispatched; the pipeline's traffic is onloads and write-backs.
+        _engine.wait_stored(stored)
+        _engine.warn_if_spilled(stacklevel=3)
+        return _like(stored, tensor)
+
+    def onload(self, offloaded: Tensor | None) -> Tensor | None:
+        """A copy of `offloaded` on the onload device: the prefetched one if there is one."""
+        return _onload(self, offloaded)
+
+    def _source(self, offloaded: Tensor) -> Tensor:
+        return offloaded
+
+    def _finish(self, fetched: Tensor, offloaded: Tensor) -> Tensor:
+        return _like(fetched, offloaded, onloaded=True)
+
+    def _reading(self, offloaded: Tensor, ticket) -> None:
+        pass  # the arena block's own fences order later writes after this read
+
+    @torch.no_grad()
+    def update_offload(self, offloaded: Tensor, data: Tensor | None) -> None:
+        """Copy `data` into `offloaded`'s arena block asynchronously (as ``offloaded.copy_(data)``).
+
+        The engine reads a private copy of `data` (taken now, on `data`'s device and current
+        stream) so that the caller may reuse `data` at once.
+        """
+        if data is None:
+            return
+        _drop_prefetched(offloaded)
+        if not _engine.is_offcache_tensor(offloaded):
+            # Not offcache's (assigned under disable_onloading()): no fences order the engine's
+            # reads of it, so every copy in flight lands first; then CPUCache's own copy.
+            _engine.synchronize()
+            offloaded.copy_(data)
+            return
+        src = torch.empty_like(offloaded, device=data.device)
+        src.copy_(data)  # dtype cast and broadcast as Tensor.copy_ does
+        try:
+            ticket = _engine.copy_into([offloaded], [src], wait=False)
+        except (ValueError, RuntimeError):
+            # A pair the engine refuses (a layout, or host data where a backend wants a device
+            # source): every copy in flight landed first, then a plain copy, as CPUCache's.
+            _engine.synchronize()
+            offloaded.copy_(src)
+            return
+        COUNTERS["weight_writeback_bytes"] += offloaded.nbytes
+        if _state.current is not None:
+            _state.current.written_back_bytes += offloaded.nbytes
+        # The engine orders copies into one block (write after write), so the last one wins.
+        _state.pending[id(offloaded)] = (offloaded, ticket)
+        if _state.current is None:
+            _flush(offloaded)  # outside a patched context nothing marks an end: land it now
+
+    def __getitem__(self, key):
+        # Under disable_onloading() the caller reads the offloaded tensor on the host.
+        if self.onloading_disabled:
+            offloaded = self.offloaded_values[key]
+            if offloaded is not None:
+                _flush(offloaded)
+        return super().__getitem__(key)
+
+    def __delitem__(self, key):
+        offloaded = self.offloaded_values[key]
+        if offloaded is not None:
+            _drop_prefetched(offloaded)
+        super().__delitem__(key)
+
+
+_ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
+_MAPS: OrderedDict[tuple, tuple[Tensor, dict, int]] = OrderedDict()  # file identity -> mapping, header
+_MAX_MAPS = 256
+_READS: dict[str, Any] = {}  # real file path -> the ticket of the last fetch that read its mapping
+
+
+def _mapped(path: str) -> tuple[Tensor, dict, int]:
+    """A safetensors file mapped read-only (private, lazily paged), its header and data offset.
+
+    Keyed by the real file's identity (inode, size, mtime): a file DiskCache rewrites, or a
+    symlink it replaces by a file, maps afresh.
+    """
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    key = (real, st.st_ino, st.st_size, st.st_mtime_ns)
+    hit = _MAPS.get(key)
+    if hit is not None:
+        _MAPS.move_to_end(key)
+        return hit
+    with open(real, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    data = torch.from_file(real, shared=False, size=st.st_size, dtype=torch.uint8)
+    _MAPS[key] = hit = (data, header, 8 + n)
+    while len(_MAPS) > _MAX_MAPS:
+        _MAPS.popitem(last=False)
+    return hit
+
+
+def _forget(path: str) -> None:
+    real = os.path.realpath(path)
+    for key in [k for k in _MAPS if k[0] == real]:
+        del _MAPS[key]
+
+
+def _file_tensor(path: str, name: str) -> Tensor:
+    """Tensor `name` of a safetensors file, as a CPU view of the file's mapping (nothing read yet)."""
+    data, header, start = _mapped(path)
+    entry = header[name]
+    dtype = _ST_DTYPES[entry["dtype"]]
+    begin, end = entry["data_offsets"]
+    raw = data[start + begin : start + end]
+    if (start + begin) % dtype.itemsize:  # unaligned for a view: copy the bytes out
+        raw = raw.clone()
+    return raw.view(dtype).reshape(entry["shape"])
+
+
+class OffcacheDiskCache(DiskCache):
+    """compressed-tensors' ``DiskCache``, its onload reading the checkpoint's file through the engine.
+
+    The offloaded meta tensors, ``DiskCache.index``, the checkpoint symlinks and the files an
+    update writes are compressed-tensors' own (other code reads them). An onload maps the
+    safetensors file (never copied) and fetches the tensor's bytes with the engine, so that a
+    prefetch can read the next subgraph's weights ahead. Updates write files as DiskCache does;
+    a prefetched copy of an updated weight is dropped.
+
+    Not asynchronous yet: a fetch from a mapped (pageable) file is a copy the calling thread
+    issues and, on CUDA, waits for (page faults read the file). Overlapping the read with compute
+    needs the engine to read file ranges itself (O_DIRECT pieces into pinned staging, each
+    piece's H2D overlapping the next read), as its disk tier does for its own files.
+    """
+
+    def onload(self, offloaded: Tensor | None) -> Tensor | None:
+        return _onload(self, offloaded)
+
+    def _source(self, offloaded: Tensor) -> Tensor:
+        info = self.index[offloaded]
+        return _file_tensor(info["safetensors_file"], info["weight_name"])
+
+    def _reading(self, offloaded: Tensor, ticket) -> None:
+        _READS[os.path.realpath(self.index[offloaded]["safetensors_file"])] = ticket
+        if len(_READS) > 1024:  # a model's worth of files: keep the reads still in flight only
+            for path in [p for p, t in _READS.items() if t.query()]:
+                del _READS[path]
+
+    def _finish(self, fetched: Tensor, offloaded: Tensor) -> Tensor:
+        # As DiskCache.onload: the offloaded tensor's class and attributes, then the index's dtype.
+        onloaded = to_tensor(fetched, offloaded)
+        return onloaded.to(getattr(torch, self.index[offloaded]["dtype"]))
+
+    def update_offload(self, offloaded: Tensor, data: Tensor | None):
+        _drop_prefetched(offloaded)
+        # DiskCache rewrites its own file in place (truncating it): no copy may still read a
+        # mapping of it then (a read past the new end is a SIGBUS), and none is kept.
+        path = os.path.realpath(self.index[offloaded]["safetensors_file"])
+        reading = _READS.pop(path, None)
+        if reading is not None and not reading.query():
+            _engine.synchronize()
+        _forget(path)
+        super().update_offload(offloaded, data)
+
+    def __delitem__(self, key):
+        offloaded = self.offloaded_values[key]
+        if offloaded is not None:
+            _drop_prefetched(offloaded)
+        super().__delitem__(key)
+
+
+# --- prefetch ----------------------------------------------------------------------------------
+
+
+def _offloaded_of(modules) -> list[tuple[Any, Tensor]]:
+    seen: set[int] = set()
+    out = []
+    for module in modules:
+        for cache in (module._parameters, module._buffers):
+            if not isinstance(cache, (OffcacheCPUCache, OffcacheDiskCache)):
+                continue
+            for offloaded in cache.offloaded_values.values():
+                if offloaded is not None and id(offloaded) not in seen:
+                    seen.add(id(offloaded))
+                    out.append((cache, offloaded))
+    return out
+
+
+def prefetch(modules, target: int) -> int:
+    """Fetch the offloaded weights of `modules` ahead, for subgraph `target`; returns bytes issued.
+
+    A tensor already prefetched is not fetched again.
+    When the device has no room, or the fetch fails, nothing is prefetched and the skip is
+    counted: a prefetch never fails a run.
+    """
+    by_device: dict[torch.device, list[Tensor]] = {}
+    for cache, offloaded in _offloaded_of(modules):
+        if id(offloaded) in _state.prefetched:
+            continue
+        device = _onload_device(cache)
+        # A weight this subgraph holds onloaded too (tied, shared) is fetched again, not aliased:
+        # this subgraph may edit its onloaded copy in place (AWQ's grid search does, through
+        # .data, which no version counter sees), and such edits die with its context.
+        try:
+            source = cache._source(offloaded)
+        except Exception as exc:  # noqa: BLE001  (an unreadable file: the onload will say why)
+            logger.debug(f"offcache weights: no prefetch of a weight: {exc}")
+            continue
+        if device.type == "cpu" and not _engine.is_offcache_tensor(source):
+            continue  # a fetch would hand back the file's mapping itself: nothing to do ahead
+        by_device.setdefault(device, []).append((cache, offloaded, source))
+    issued = 0
+    for device, items in by_device.items():
+        sources = [source for _, _, source in items]
+        nbytes = sum(t.nbytes for t in sources)
+        free = _device_free_bytes(device)
+        if free is not None and nbytes > free:
+            COUNTERS["weight_prefetch_skips"] += 1
+            logger.info(f"offcache weights: no room for a {nbytes}-byte prefetch on {device}, skipped")
+            continue
+        try:
+            fetched, ticket = _engine.fetch(sources, device, wait=False)
+        except Exception as exc:  # noqa: BLE001  (an OOM or anything else: the onload will fetch)
+            COUNTERS["weight_prefetch_skips"] += 1
+            logger.info(f"offcache weights: prefetch of {nbytes} bytes on {device} skipped: {exc}")
+            continue
+        for (cache, offloaded, _), onloaded in zip(items, fetched):
+            cache._reading(offloaded, ticket)
+            copy = cache._finish(onloaded, offloaded)
+            entry = _Prefetched(offloaded, copy, ticket, device, offloaded._version, target, offloaded.nbytes)
+            _state.prefetched[id(offloaded)] = entry
+        COUNTERS["weight_prefetch_bytes"] += nbytes
+        issued += nbytes
+    return issued
+
+
+def _wrap_subgraphs(subgraphs: list) -> list:
+    """Give each subgraph a forward that prefetches the next subgraphs' weights after its first call."""
+    depth = prefetch_depth()
+    _state.prefetched.clear()  # a new pipeline run: nothing ahead belongs to it
+    issued_upto = [0]  # subgraphs [0, issued_upto) have been prefetched (or run)
+
+    for index, subgraph in enumerate(subgraphs):
+        forward = subgraph.forward
+
+        def prefetching_forward(model, *args, _index=index, _forward=forward, **kwargs):
+            current = _state.current
+            first = current is not None and current.index != _index
+            if current is not None:
+                current.index = _index
+            out = _forward(model, *args, **kwargs)
+            if first and depth > 0:
+                # This subgraph's weights are onloaded now: queue the next ones behind them.
+                start = max(issued_upto[0], _index + 1)
+                for ahead in range(start, min(len(subgraphs), _index + 1 + depth)):
+                    prefetch(subgraphs[ahead].submodules(model), target=ahead)
+                    issued_upto[0] = ahead + 1
+            return out
+
+        subgraph.forward = prefetching_forward
+    return subgraphs
+
+
+# --- patching ----------------------------------------------------------------------------------
+
+_patched = False
+_originals: dict[tuple[object, str], object] = {}
+
+
+def _cls_from_device(cls, device=None):
+    chosen = _originals[(OffloadCache, "cls_from_device")].__func__(cls, device)
+    # Non-distributed only: distributed runs get DistributedCPUCache / DistributedDiskCache.
+    return {CPUCache: OffcacheCPUCache, DiskCache: OffcacheDiskCache}.get(chosen, chosen)
+
+
+@contextlib.contextmanager
+def _disable_offloading(cls):
+    if OffloadCache.offloading_disabled:  # nested: the outermost context owns the bookkeeping
+        with _originals[(OffloadCache, "disable_offloading")].__func__(cls):
+            yield
+        return
+    _state.current = record = _Subgraph()
+    failed = False
+    try:
+        with _originals[(OffloadCache, "disable_offloading")].__func__(cls):
+            yield
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        _flush_all()  # its waits count for this context
+        _state.current = None
+        if failed:
+            _state.prefetched.clear()
+        elif record.index is not None:
+            for key, entry in list(_state.prefetched.items()):
+                if entry.target <= record.index:
+                    del _state.prefetched[key]
+        if record.onloaded_bytes or record.written_back_bytes:
+            _state.history.append(record)
+            if record.index is not None:
+                logger.info(record.line())
+
+
+def _trace_subgraphs(*args, **kwargs):
+    return _wrap_subgraphs(_originals[("pipeline", "trace_subgraphs")](*args, **kwargs))
+
+
+def patch() -> None:
+    """Route compressed-tensors' non-distributed CPU weight offloading through offcache. Idempotent."""
+    global _patched
+    if _patched:
+        return
+    import llmcompressor.pipelines.sequential.pipeline as pipeline
+
+    _originals[(OffloadCache, "cls_from_device")] = OffloadCache.__dict__["cls_from_device"]
+    _originals[(OffloadCache, "disable_offloading")] = OffloadCache.__dict__["disable_offloading"]
+    _originals[("pipeline", "trace_subgraphs")] = pipeline.trace_subgraphs
+    OffloadCache.cls_from_device = classmethod(_cls_from_device)
+    OffloadCache.disable_offloading = classmethod(_disable_offloading)
+    pipeline.trace_subgraphs = _trace_subgraphs
+    _state.history.clear()
+    _patched = True
+
+
+def unpatch() -> None:
+    """Restore compressed-tensors' classes and the pipeline's trace_subgraphs.
+
+    Modules offloaded while patched keep their offcache caches (they work unpatched too).
+    """
+    global _patched
+    if not _patched:
+        return
+    OffloadCache.cls_from_device = _originals.pop((OffloadCache, "cls_from_device"))
+    OffloadCache.disable_offloading = _originals.pop((OffloadCache, "disable_offloading"))
+    pipeline = sys.modules["llmcompressor.pipelines.sequential.pipeline"]
+    pipeline.trace_subgraphs = _originals.pop(("pipeline", "trace_subgraphs"))
+    _flush_all()
+    _state.prefetched.clear()
+    _patched = False
+
+
+def is_patched() -> bool:
+    return _patched
