@@ -64,4 +64,29 @@ def snapshot(value):
 
 CPU = torch.device("cpu")
 
-__all__ = ["CPU", "Frozen", "OrderedDict", "Outer", "Pair", "assert_same", "snapshot"]
+# The tiny random Llama the oneshot tests quantize, and its calibration rows.
+TINY_VOCAB = 96
+
+
+def save_tiny_llama(folder):
+    from offcache.bench.models import save_llama
+
+    return save_llama(
+        folder, vocab_size=TINY_VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+
+
+def calibration_set(n: int, length: int):
+    """n rows of `length` random token ids (seeded), as a datasets.Dataset."""
+    import datasets
+
+    g = torch.Generator().manual_seed(1)
+    rows = [torch.randint(4, TINY_VOCAB, (length,), generator=g).tolist() for _ in range(n)]
+    return datasets.Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * length] * n})
+
+
+__all__ = [
+    "CPU", "TINY_VOCAB", "Frozen", "OrderedDict", "Outer", "Pair", "assert_same", "calibration_set",
+    "save_tiny_llama", "snapshot",
+]  # fmt: skip

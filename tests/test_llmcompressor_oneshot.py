@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import offcache
-from offcache.bench.models import save_llama
+from tests.helpers import calibration_set, save_tiny_llama
 
 llmcompressor = pytest.importorskip("llmcompressor")
 transformers = pytest.importorskip("transformers")
@@ -18,21 +18,10 @@ datasets = pytest.importorskip("datasets")
 
 pytestmark = pytest.mark.slow
 
-VOCAB = 96
-
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    return save_llama(
-        tmp_path_factory.mktemp("tiny-llama"), vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
-        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-    )  # fmt: skip
-
-
-def calibration_set(n=6, length=24):
-    g = torch.Generator().manual_seed(1)
-    rows = [torch.randint(4, VOCAB, (length,), generator=g).tolist() for _ in range(n)]
-    return datasets.Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * length] * n})
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def quantize(model_dir, prefetch):
@@ -45,7 +34,7 @@ def quantize(model_dir, prefetch):
     oneshot(
         model=model,
         tokenizer=tokenizer,
-        dataset=calibration_set(),
+        dataset=calibration_set(6, 24),
         recipe=GPTQModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"]),
         num_calibration_samples=6,
         max_seq_length=24,

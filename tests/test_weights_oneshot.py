@@ -12,8 +12,8 @@ import torch
 
 import offcache
 from offcache import compressed_tensors as oc_ct
-from offcache.bench.models import save_llama
 from tests.conftest import ENGINE_CONFIGS
+from tests.helpers import calibration_set, save_tiny_llama
 
 llmcompressor = pytest.importorskip("llmcompressor")
 transformers = pytest.importorskip("transformers")
@@ -21,21 +21,10 @@ datasets = pytest.importorskip("datasets")
 
 pytestmark = pytest.mark.slow
 
-VOCAB = 96
-
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    return save_llama(
-        tmp_path_factory.mktemp("tiny-llama-weights"), vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
-        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-    )  # fmt: skip
-
-
-def calibration_set(n=4, length=16):
-    g = torch.Generator().manual_seed(1)
-    rows = [torch.randint(4, VOCAB, (length,), generator=g).tolist() for _ in range(n)]
-    return datasets.Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * length] * n})
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-weights"))
 
 
 def recipe(kind):
@@ -57,7 +46,7 @@ def quantize(model_dir, kind, prefetch):
     oneshot(
         model=model,
         tokenizer=tokenizer,
-        dataset=calibration_set(),
+        dataset=calibration_set(4, 16),
         recipe=recipe(kind),
         num_calibration_samples=4,
         max_seq_length=16,
@@ -166,7 +155,7 @@ def quantize_model(model, model_dir):
     oneshot(
         model=model,
         tokenizer=transformers.AutoTokenizer.from_pretrained(model_dir),
-        dataset=calibration_set(),
+        dataset=calibration_set(4, 16),
         recipe=recipe("gptq"),
         num_calibration_samples=4,
         max_seq_length=16,
