@@ -429,6 +429,8 @@ class OffloadedStaticKVCache(StaticCache):
     def _register(self) -> None:
         self._handle = next(_HANDLES)
         _CACHES[self._handle] = weakref.ref(self)
+        # A tensor, not an int: dynamo guards on int attributes (a recompile per cache), not on tensor values.
+        self._handle_t = torch.tensor(self._handle)
 
     def _offloaded(self, layer):
         if type(layer) is StaticLayer:
@@ -445,7 +447,7 @@ class OffloadedStaticKVCache(StaticCache):
                 return layer.update(key_states, value_states, *args, **kwargs)  # traced as StaticCache's
             out_len = layer._out_len(key_states.shape[-2])
             return torch.ops.offcache.static_kv_update(
-                key_states, value_states, layer.cumulative_length, self._handle, layer_idx, out_len
+                key_states, value_states, layer.cumulative_length, self._handle_t, layer_idx, out_len
             )
         return self._update_eager(key_states, value_states, layer_idx, *args, **kwargs)
 
@@ -518,12 +520,12 @@ def _static_kv_update(
     key_states: torch.Tensor,
     value_states: torch.Tensor,
     cumulative_length: torch.Tensor,
-    handle: int,
+    handle: torch.Tensor,
     layer_idx: int,
     out_len: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One offloaded layer's update, run eagerly from a compiled graph (host bookkeeping at every call)."""
-    cache = _CACHES[handle]()
+    cache = _CACHES[int(handle)]()
     layer = cache.layers[layer_idx]
     k, v = cache._update_eager(key_states, value_states, layer_idx)
     if cumulative_length is not layer.cumulative_length:  # a functionalized copy: carries the new length out
