@@ -409,3 +409,25 @@ def test_copied_cache_generates_like_static_cache(engine, layers, kind, offload_
     assert_same_layers(copied, ref)
     assert torch.equal(run(model, ids, copier(filled), 10), want)  # the original is intact
     assert torch.equal(run(model, ids, filled, 10), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind, offload_sliding", [("llama", False), ("mistral", True)])
+def test_reduce_overhead_fullgraph_same_tokens_on_cuda(kind, offload_sliding):
+    """mode="reduce-overhead", fullgraph: the custom op stays out of the CUDA graphs (graph partition)."""
+    model = tiny_model(kind, "cuda")
+    ids = random_ids(2, 9, seed=9, device="cuda")
+    want = generate(model, ids, transformers.StaticCache(config=model.config, max_cache_len=64), 24,
+                    disable_compile=True)  # fmt: skip
+    forward = model.forward
+    model.forward = torch.compile(forward, mode="reduce-overhead", fullgraph=True)
+    torch._dynamo.reset()
+    try:
+        for _ in range(2):  # the second run replays the recorded graphs
+            cache = OffloadedStaticKVCache(config=model.config, max_cache_len=64, offload_sliding=offload_sliding)
+            got = generate(model, ids, cache, 24, disable_compile=True)
+            assert torch.equal(got.sequences, want.sequences)
+            assert all(ly.keys.device.type == "cpu" for ly in cache.layers)  # all offloaded
+    finally:
+        model.forward = forward
+        torch._dynamo.reset()
