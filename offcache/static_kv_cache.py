@@ -508,9 +508,12 @@ def _kv_shared_sources(config) -> set[int]:
     is refilled by the next layers' prefetches while the sharing layers still read it.
     """
     text = config.get_text_config(decoder=True)
+    modes = getattr(text, "kv_sharing_modes", None)  # transformers >= 5.2x names the producers "store"
+    if modes is not None:
+        return {i for i, mode in enumerate(modes) if mode == "store"}
     if not (getattr(text, "num_kv_shared_layers", 0) or 0):
         return set()
-    types, _ = get_layer_types_and_kwargs(text)  # the cached layers: shared ones are cut off
+    types = get_layer_types_and_kwargs(text)[0]  # the cached layers: shared ones are cut off
     return {len(types) - 1 - types[::-1].index(t) for t in set(types)}
 
 
