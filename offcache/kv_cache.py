@@ -86,13 +86,17 @@ class _Offloaded:
         """The layer's K and V as single arena tensors, written: waits for this layer's copies."""
         if not self._host_k:
             return None, None
+        k, v = self._joined()
         if len(self._host_k) > 1 or len(self._host_v) > 1:  # joined once; later reads are free
-            joined = [torch.cat(self._wait(c), dim=-2) for c in (self._host_k, self._host_v)]
-            k, v = _engine.store(joined, _CPU)
+            k, v = _engine.store([k, v], _CPU)
             self._host_k, self._host_v = [k], [v]  # same values: an in-flight prefetch stays valid
-        k, v = self._host_k[0], self._host_v[0]
-        self._wait([k, v])
+            self._wait([k, v])
         return k, v
+
+    def _joined(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V as one written CPU tensor each: the arena chunk itself, or the chunks' concatenation."""
+        chunks = [self._wait(c) for c in (self._host_k, self._host_v)]
+        return tuple(c[0] if len(c) == 1 else torch.cat(c, dim=-2) for c in chunks)
 
     @staticmethod
     def _wait(chunks: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -142,7 +146,7 @@ class _Offloaded:
         """A plain transformers layer holding this layer's host K/V (and length state)."""
         shadow = self._shadow_class.__new__(self._shadow_class)
         shadow.__dict__.update({k: v for k, v in self.__dict__.items() if not k.startswith("_host")})
-        shadow.keys, shadow.values = self._host_tensors()
+        shadow.keys, shadow.values = self._joined()  # the result is stored, not this
         return shadow
 
     def _run_on_host(self, op: str, *args) -> None:
