@@ -492,9 +492,18 @@ class OffloadedStaticKVCache(StaticCache):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._each("batch_repeat_interleave", repeats)
+        self._drop_unused_buffers()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._each("batch_select_indices", indices)
+        self._drop_unused_buffers()
+
+    def _drop_unused_buffers(self) -> None:
+        """Device buffers of the old batch size: no layer will take them again."""
+        shapes = {(tuple(ly._host_k.shape), tuple(ly._host_v.shape), ly.dtype, ly.device)
+                  for ly in self.layers if isinstance(ly, _StaticOffloaded) and ly._host_k is not None}  # fmt: skip
+        for key in [k for k in self._buffers if k not in shapes]:
+            del self._buffers[key]
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)

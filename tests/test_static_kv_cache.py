@@ -377,6 +377,9 @@ def test_batch_select_and_repeat_same_tokens_as_dynamic_cache(engine, kind, offl
         caches.append(cache)
     assert torch.equal(outs[1], outs[0])
     assert ours.batch_size == 4
+    if ours._offloaded_idx:  # device buffers of the batch size in use only: 2 layers' worth
+        layer = ours.layers[ours._offloaded_idx[0]]
+        assert ours.device_buffer_bytes() == 2 * 2 * layer._host_k.numel() * layer._host_k.element_size()
     if kind == "llama":
         assert_same_layers(caches[1], caches[0], exact=False)
 
