@@ -186,7 +186,10 @@ HostBlock* Engine::allocate_host(size_t bytes, bool allow_spill, bool staging) {
       // available when it could hold the request: wait (unlocked) for the
       // oldest pending block's copies, then try again.
       chunk = arena_.begin_chunk(bytes, &why);
-      if (chunk == 0 && deferred_.bytes() >= arena_.round_up(bytes)) {
+      const auto in_arena = [](const Block& b) {
+        return b.chunk < kBounceChunk && !on_disk(b) && !from_bounce_arena(b);
+      };
+      if (chunk == 0 && deferred_.bytes_where(in_arena) >= arena_.round_up(bytes)) {
         oldest = deferred_.oldest_fence();
       }
     }

@@ -14,9 +14,20 @@ whose full-attention layers keep their K/V in the pinned arena between steps:
 Sliding-window layers stay resident unless ``offload_sliding=True``;
 linear-attention layers are never offloaded. The returned K/V are the same
 contiguous tensors DynamicCache builds, so greedy outputs are identical.
+
+An offloaded layer's ``keys`` / ``values`` are CPU tensors viewing the arena
+(``[batch, heads, seq, dim]``), built when read: a read waits for the layer's
+pending D2H copies and joins its chunks into one, so a generation nobody
+inspects pays nothing for them. ``reorder_cache`` (beam search), ``crop``
+(assisted decoding), ``batch_repeat_interleave`` and ``batch_select_indices``
+run transformers' own layer code on those host tensors (no PCIe traffic: the
+next fetch brings the result) and store the result back. ``copy.deepcopy`` and
+pickling wait for the copies and copy the K/V.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
@@ -27,40 +38,158 @@ from offcache.static_kv_cache import OffloadedStaticKVCache  # noqa: F401  (the 
 _CPU = torch.device("cpu")
 
 
+def _on_cpu(index):
+    return index.to(_CPU) if isinstance(index, torch.Tensor) else index
+
+
 class _Offloaded:
-    """Arena-backed K/V chunks and an in-flight prefetch, shared by the layer classes."""
+    """Arena-backed K/V chunks (along the sequence) and an in-flight prefetch, shared by the layer classes."""
+
+    _shadow_class = DynamicLayer  # whose operations run on the host K/V
 
     def _init_offload(self) -> None:
-        self._host_k: list[torch.Tensor] = []
-        self._host_v: list[torch.Tensor] = []
-        self._prefetched = None  # (device tensors, ticket, number of chunks fetched)
+        self.__dict__.setdefault("_host_k", [])
+        self.__dict__.setdefault("_host_v", [])
+        self._prefetched = None  # (device tensors, ticket, version fetched, number of K chunks)
+        self._version = 0  # bumped by every change of the host chunks: a prefetch of an older one is stale
+
+    # keys / values: what transformers' layers expose, read from the arena ------------------------
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self._host_tensors()[0]
+
+    @keys.setter
+    def keys(self, t) -> None:
+        self._assign("_host_k", t)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self._host_tensors()[1]
+
+    @values.setter
+    def values(self, t) -> None:
+        self._assign("_host_v", t)
+
+    def _assign(self, name: str, t) -> None:
+        # CacheLayerMixin.__init__ sets None; code outside may set a tensor: it goes to the arena.
+        self.__dict__[name] = [] if t is None else _engine.store([t.contiguous()], _CPU)
+        if t is not None:
+            self._changed()
+            if name == "_host_k":
+                self._set_length(t.shape[-2])
+
+    def _set_length(self, n: int) -> None:
+        pass
+
+    def _host_tensors(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The layer's K and V as single arena tensors, written: waits for this layer's copies."""
+        if not self._host_k:
+            return None, None
+        k, v = self._joined()
+        if len(self._host_k) > 1 or len(self._host_v) > 1:  # joined once; later reads are free
+            k, v = _engine.store([k, v], _CPU)
+            self._host_k, self._host_v = [k], [v]  # same values: an in-flight prefetch stays valid
+            self._wait([k, v])
+        return k, v
+
+    def _joined(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V as one written CPU tensor each: the arena chunk itself, or the chunks' concatenation."""
+        chunks = [self._wait(c) for c in (self._host_k, self._host_v)]
+        return tuple(c[0] if len(c) == 1 else torch.cat(c, dim=-2) for c in chunks)
+
+    @staticmethod
+    def _wait(chunks: list[torch.Tensor]) -> list[torch.Tensor]:
+        for c in chunks:
+            _engine.wait_stored(c)
+        return chunks
+
+    def _changed(self) -> None:
+        self._version += 1
+
+    # the copies ------------------------------------------------------------------------------
 
     def prefetch(self) -> None:
         """Start the H2D copy of this layer's K/V; update() waits on it."""
         if self._host_k and self._prefetched is None:
             tensors, ticket = _engine.fetch(self._host_k + self._host_v, self.device, False)
-            self._prefetched = (tensors, ticket, len(self._host_k))
+            self._prefetched = (tensors, ticket, self._version, len(self._host_k))
 
     def offload(self) -> None:  # the K/V already live in the arena
         pass
 
     def _past(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """This layer's cached K/V on its device: the prefetch if current, else a fetch now."""
+        pre, self._prefetched = self._prefetched, None
         if not self._host_k:
             return None
-        pre, self._prefetched = self._prefetched, None
-        if pre is None or pre[2] != len(self._host_k):
-            tensors, _ = _engine.fetch(self._host_k + self._host_v, self.device, True)
-        else:
-            tensors, ticket, _ = pre
+        if pre is not None and pre[2] == self._version:
+            tensors, ticket, _, n = pre
             ticket.wait()  # the consumer stream waits on the H2D event
-        n = len(self._host_k)
-        if n == 1:
-            return tensors[0], tensors[1]
-        return torch.cat(tensors[:n], dim=-2), torch.cat(tensors[n:], dim=-2)
+        else:
+            if pre is not None:
+                pre[1].wait()  # a stale prefetch: ordered before its memory is reused
+            n = len(self._host_k)
+            tensors, _ = _engine.fetch(self._host_k + self._host_v, self.device, True)
+        k, v = tensors[:n], tensors[n:]
+        return (k[0] if len(k) == 1 else torch.cat(k, dim=-2)), (v[0] if len(v) == 1 else torch.cat(v, dim=-2))
 
     def _drop_offloaded(self) -> None:
+        if self._prefetched is not None:
+            self._prefetched[1].wait()
         self._host_k, self._host_v, self._prefetched = [], [], None
+        self._changed()
+
+    # transformers' operations, on the host K/V -------------------------------------------------
+
+    def _shadow(self):
+        """A plain transformers layer holding this layer's host K/V (and length state)."""
+        shadow = self._shadow_class.__new__(self._shadow_class)
+        shadow.__dict__.update({k: v for k, v in self.__dict__.items() if not k.startswith("_host")})
+        shadow.keys, shadow.values = self._joined()  # the result is stored, not this
+        return shadow
+
+    def _run_on_host(self, op: str, *args) -> None:
+        if not self._host_k:  # nothing cached: nothing to change
+            return
+        shadow = self._shadow()
+        before = shadow.keys, shadow.values
+        getattr(self._shadow_class, op)(shadow, *args)  # transformers' own code: its rules and errors
+        for name in ("cumulative_length", "record_past"):
+            if name in shadow.__dict__:
+                setattr(self, name, shadow.__dict__[name])
+        if shadow.keys is not before[0] or shadow.values is not before[1]:
+            k, v = _engine.store([shadow.keys.contiguous(), shadow.values.contiguous()], _CPU)
+            self._host_k, self._host_v = [k], [v]
+            self._changed()
+            self._set_length(k.shape[-2])
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._run_on_host("reorder_cache", _on_cpu(beam_idx))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self._run_on_host("crop", tokens_to_remove)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._run_on_host("batch_repeat_interleave", repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._run_on_host("batch_select_indices", _on_cpu(indices))
+
+    # deepcopy / pickle -------------------------------------------------------------------------
+
+    def __getstate__(self) -> dict:
+        k, v = self._host_tensors()  # waits for this layer's copies
+        state = dict(self.__dict__)
+        state["_host_k"], state["_host_v"] = ([k], [v]) if k is not None else ([], [])
+        state["_prefetched"] = None  # a ticket: the copy fetches again
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self._host_k:  # plain CPU tensors now: back into this process's arena
+            k, v = _engine.store(self._host_k + self._host_v, _CPU)
+            self._host_k, self._host_v = [k], [v]
 
 
 class OffloadedLayer(_Offloaded, DynamicLayer):
@@ -71,6 +200,9 @@ class OffloadedLayer(_Offloaded, DynamicLayer):
         self.compact_every = compact_every
         self._seq = 0
         self._init_offload()
+
+    def _set_length(self, n: int) -> None:
+        self._seq = n
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -94,6 +226,7 @@ class OffloadedLayer(_Offloaded, DynamicLayer):
             k, v = _engine.store([key_states, value_states], _CPU)
             self._host_k.append(k)
             self._host_v.append(v)
+        self._changed()
         return keys, values
 
     def get_seq_length(self) -> int:
@@ -103,36 +236,40 @@ class OffloadedLayer(_Offloaded, DynamicLayer):
         self._drop_offloaded()
         self._seq = 0
 
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("OffloadedKVCache does not support cropping (assisted decoding)")
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("OffloadedKVCache does not support beam search")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("OffloadedKVCache does not support batch expansion")
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError("OffloadedKVCache does not support batch selection")
-
 
 class OffloadedSlidingLayer(_Offloaded, DynamicSlidingWindowLayer):
     """A sliding-window layer offloaded too (``offload_sliding=True``): its window moves whole."""
+
+    _shadow_class = DynamicSlidingWindowLayer
 
     def __init__(self, sliding_window: int, **kwargs):
         super().__init__(sliding_window=sliding_window, **kwargs)
         self._init_offload()
 
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self._sliding_window_tensor = self._sliding_window_tensor.to(self.device)
+        self.is_initialized = True
+
     def update(self, key_states, value_states, *args, **kwargs):
-        if self.is_initialized:
-            past = self._past()
-            if past is not None:
-                self.keys, self.values = past
-        keys, values = super().update(key_states, value_states, *args, **kwargs)
-        k, v = _engine.store([self.keys, self.values], _CPU)
+        # DynamicSlidingWindowLayer.update with the past fetched from the arena and the kept part stored.
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.cumulative_length += key_states.shape[-2]
+        past = self._past()
+        if past is None:
+            full_k, full_v = key_states, value_states
+        else:
+            full_k = torch.cat([past[0], key_states], dim=-2)
+            full_v = torch.cat([past[1], value_states], dim=-2)
+        if self.record_past:  # kept whole until crop() (assisted decoding)
+            kept = full_k, full_v
+        else:
+            kept = full_k[:, :, -self.sliding_window + 1 :, :], full_v[:, :, -self.sliding_window + 1 :, :]
+        k, v = _engine.store([t.contiguous() for t in kept], _CPU)
         self._host_k, self._host_v = [k], [v]
-        self.keys = self.values = None  # the window lives in the arena until the next step
-        return keys, values
+        self._changed()
+        return full_k, full_v
 
     def reset(self) -> None:
         self._drop_offloaded()
@@ -150,7 +287,7 @@ class OffloadedKVCache(DynamicCache):
         self.compact_every = compact_every
         self.offload_sliding = offload_sliding
         if self.layer_class_to_replicate is not None:  # no config: layers appear as they are used
-            self.layer_class_to_replicate = lambda: OffloadedLayer(compact_every)
+            self.layer_class_to_replicate = functools.partial(OffloadedLayer, compact_every)  # picklable
         self.layers = [self._offloaded(layer) for layer in self.layers]
 
     def _offloaded(self, layer):

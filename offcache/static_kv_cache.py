@@ -17,24 +17,48 @@
 Sliding-window layers stay resident unless ``offload_sliding=True`` (then their window
 moves: new positions while it fills, the whole rolled window once it is full).
 
-torch.compile: ``update`` is excluded from compilation (``torch.compiler.disable``) and
-runs eagerly, so a compiled forward breaks its graph at each ``past_key_values.update``
-call, one per attention layer (dynamo splits the enclosing decoder-layer and model frames
-there too: about 3 graphs per layer). A CUDA graph cannot contain the cache call (the
-engine's bookkeeping runs on the host at every update, which a replay would skip), so a
-whole-forward CUDA graph is impossible; ``generate`` on a GPU compiles the forward itself
-(mode "reduce-overhead": CUDA graphs for the pieces between cache calls), which the
-``gpu``-marked test checks for equal tokens.
+Layers whose K/V later layers read through ``shared_kv_states`` in the same step (KV-sharing
+models: Gemma3n, Gemma4) stay resident: a prefetch into a shared device buffer would
+overwrite them while they are still read.
+
+``keys`` / ``values`` of an offloaded layer are its arena tensors (CPU, ``max_cache_len``
+long), returned once the layer's pending D2H copies have landed. ``reorder_cache``,
+``crop``, ``batch_repeat_interleave`` and ``batch_select_indices`` work on the arena (host
+side: the next H2D brings the result; no extra PCIe traffic), for resident static layers
+too; a sliding layer that already dropped tokens cannot be cropped (transformers'
+RuntimeError). ``copy.deepcopy`` and pickling wait for the copies and copy the arena.
+
+torch.compile: under compilation the update of an offloaded layer is one ``torch.library``
+custom op (``offcache::static_kv_update``) with a fake implementation and its mutation of
+``cumulative_length`` declared, so ``torch.compile(model.forward, fullgraph=True)`` traces
+one graph per forward; the op runs the eager update (engine bookkeeping, waits, copies,
+prefetch) at every call and returns copies of the layer's device buffers (one
+device-to-device copy per layer and step: graph outputs must not alias the buffers the
+engine rewrites). It is tagged ``cudagraph_unsafe``: inductor's graph partition keeps it out
+of CUDA graphs (mode "reduce-overhead") and captures the rest.
 """
 
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import torch
-from transformers.cache_utils import StaticCache, StaticLayer, StaticSlidingWindowLayer
+from transformers.cache_utils import StaticCache, StaticLayer, StaticSlidingWindowLayer, get_layer_types_and_kwargs
 
 from offcache import _engine
 
 _CPU = torch.device("cpu")
+
+
+class _BufferPool(dict):
+    """The device buffers of a cache, by shape: a copy of the cache starts with none (they are scratch)."""
+
+    def __deepcopy__(self, memo):
+        return _BufferPool()
+
+    def __reduce__(self):
+        return (_BufferPool, ())
 
 
 class _Buffers:
@@ -54,33 +78,90 @@ class _Buffers:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
 
-class _Unsupported:
-    """Cropping, beam search and batch reordering: a clear error (layers and the cache alike)."""
-
-    def _unsupported(self, what: str):
-        raise NotImplementedError(f"OffloadedStaticKVCache does not support {what}")
-
-    def crop(self, tokens_to_remove: int) -> None:
-        self._unsupported("cropping (assisted decoding)")
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._unsupported("beam search (reorder_cache)")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._unsupported("batch expansion")
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._unsupported("batch selection")
+def _tokens_to_remove(tokens_to_remove: int, current: int) -> int:
+    """transformers' crop argument: negative, tokens to remove; positive (legacy), the length to keep."""
+    if tokens_to_remove > 0:
+        return 0 if tokens_to_remove >= current else current - tokens_to_remove
+    return -tokens_to_remove
 
 
-class _StaticOffloaded(_Unsupported):
+def _check_croppable(layer, remove: int) -> None:
+    """A sliding layer past its window has dropped tokens: cropping cannot bring them back."""
+    if remove and getattr(layer, "is_sliding", False) and layer.get_seq_length() > layer.max_cache_len:
+        raise RuntimeError(
+            "`crop` was called, but the current layer does not track past states, and the sliding window size was "
+            "already reached: a static sliding window layer cannot be rolled back"
+        )
+
+
+def _resident_op(layer, op: str, arg) -> None:
+    """crop / batch_repeat_interleave / batch_select_indices on a resident static layer (StaticCache has none)."""
+    if not layer.is_initialized:
+        return
+    if op == "crop":
+        current = int(layer.get_seq_length())
+        remove = _tokens_to_remove(arg, current)
+        _check_croppable(layer, remove)
+        if hasattr(layer, "cumulative_length_int"):
+            layer.cumulative_length_int -= remove
+        layer.cumulative_length.sub_(remove)
+        return  # positions past the length are masked, and rewritten before they are read
+    if op == "batch_repeat_interleave":
+        layer.keys, layer.values = (t.repeat_interleave(arg, dim=0) for t in (layer.keys, layer.values))
+    else:
+        idx = arg.to(layer.keys.device) if isinstance(arg, torch.Tensor) else arg
+        layer.keys, layer.values = layer.keys[idx].contiguous(), layer.values[idx].contiguous()
+    layer.batch_size = layer.keys.shape[0]
+    if not torch.compiler.is_compiling():
+        torch._dynamo.mark_static_address(layer.keys)
+        torch._dynamo.mark_static_address(layer.values)
+
+
+class _StaticOffloaded:
     """Arena-backed full-size K/V, a share of two device buffers, and an in-flight prefetch."""
 
     def _init_offload(self, buffers: dict) -> None:
         self._all_buffers = buffers  # the cache's, keyed by shape, dtype and device
         self._buffers: _Buffers | None = None
         self._host_k = self._host_v = None
+        self._dev_k = self._dev_v = None  # the device buffer, while StaticSlidingWindowLayer.update runs
         self._prefetched = None  # (buffer index, positions fetched, ticket)
+
+    # keys / values: the arena layer (the device buffer during a sliding update) ------------------
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        if self.__dict__.get("_dev_k") is not None:
+            return self._dev_k
+        return self._host_view(self.__dict__.get("_host_k"))
+
+    @keys.setter
+    def keys(self, t) -> None:
+        self._assign("_host_k", t)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        if self.__dict__.get("_dev_v") is not None:
+            return self._dev_v
+        return self._host_view(self.__dict__.get("_host_v"))
+
+    @values.setter
+    def values(self, t) -> None:
+        self._assign("_host_v", t)
+
+    @staticmethod
+    def _host_view(t):
+        if t is not None:
+            _engine.wait_stored(t)  # the D2H copies into it (copy_into) have landed
+        return t
+
+    def _assign(self, name: str, t) -> None:
+        # CacheLayerMixin.__init__ sets None; a tensor assigned from outside goes to the arena.
+        if t is not None:
+            self._drop_prefetch()
+            (t,) = _engine.store([t.detach().contiguous()], _CPU)
+            _engine.wait_stored(t)
+        self.__dict__[name] = t
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -88,19 +169,28 @@ class _StaticOffloaded(_Unsupported):
         self.k_head_dim, self.v_head_dim = key_states.shape[-1], value_states.shape[-1]
         k_shape = (self.batch_size, self.num_heads, self.max_cache_len, self.k_head_dim)
         v_shape = (self.batch_size, self.num_heads, self.max_cache_len, self.v_head_dim)
-        zeros = [torch.zeros(k_shape, dtype=self.dtype), torch.zeros(v_shape, dtype=self.dtype)]
-        self._host_k, self._host_v = _engine.store(zeros, _CPU)  # the arena layer, allocated once
-        for t in (self._host_k, self._host_v):
-            _engine.wait_stored(t)  # zeros written before any copy lands in it
-        self.keys, self.values = self._host_k, self._host_v  # what the layer holds (read after synchronize())
-        key = (k_shape, v_shape, self.dtype, self.device)
-        if key not in self._all_buffers:
-            self._all_buffers[key] = _Buffers(k_shape, v_shape, self.dtype, self.device)
-        self._buffers = self._all_buffers[key]
+        self._set_arena(torch.zeros(k_shape, dtype=self.dtype), torch.zeros(v_shape, dtype=self.dtype))
         self.cumulative_length = self.cumulative_length.to(self.device)
         if not torch.compiler.is_compiling():
             torch._dynamo.mark_static_address(self.cumulative_length)
         self.is_initialized = True
+
+    def _set_arena(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The arena layer, allocated once (and again only when the batch changes)."""
+        self._drop_prefetch()
+        self._host_k, self._host_v = _engine.store([k, v], _CPU)
+        for t in (self._host_k, self._host_v):
+            _engine.wait_stored(t)  # written before any copy lands in it
+        self._buffers = None  # looked up by shape when next needed
+
+    def _resolve_buffers(self) -> _Buffers:
+        if self._buffers is None:
+            k_shape, v_shape = tuple(self._host_k.shape), tuple(self._host_v.shape)
+            key = (k_shape, v_shape, self.dtype, self.device)
+            if key not in self._all_buffers:
+                self._all_buffers[key] = _Buffers(k_shape, v_shape, self.dtype, self.device)
+            self._buffers = self._all_buffers[key]
+        return self._buffers
 
     def _filled(self) -> int:
         """Positions [0, filled) of the arena layer hold K/V: what a device buffer needs."""
@@ -111,7 +201,7 @@ class _StaticOffloaded(_Unsupported):
         n = self._filled() if self.is_initialized else 0
         if n == 0 or self._prefetched is not None:
             return
-        bufs = self._buffers
+        bufs = self._resolve_buffers()
         i = 1 - bufs.current
         ticket = _engine.copy_into(
             [bufs.k[i][:, :, :n], bufs.v[i][:, :, :n]], [self._host_k[:, :, :n], self._host_v[:, :, :n]], False
@@ -125,7 +215,7 @@ class _StaticOffloaded(_Unsupported):
 
     def _take_buffer(self, valid_after: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A device buffer holding the filled prefix, zero from `valid_after` on (the update fills the rest)."""
-        bufs, n = self._buffers, self._filled()
+        bufs, n = self._resolve_buffers(), self._filled()
         pre, self._prefetched = self._prefetched, None
         if pre is not None and pre[1] == n and bufs.reserved is self and pre[0] == 1 - bufs.current:
             i = pre[0]
@@ -158,9 +248,64 @@ class _StaticOffloaded(_Unsupported):
         _engine.copy_into([self._host_k[:, :, start:end], self._host_v[:, :, start:end]], srcs, False)
 
     def _drop_prefetch(self) -> None:
-        if self._prefetched is not None:
+        if self.__dict__.get("_prefetched") is not None:
             self._prefetched[2].wait()
             self._prefetched = None
+
+    # transformers' operations, on the arena -----------------------------------------------------
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        n = self._filled() if self.is_initialized else 0
+        if n == 0:
+            return
+        self._drop_prefetch()
+        idx = beam_idx.to(_CPU)
+        dsts = [self._host_k[:, :, :n], self._host_v[:, :, :n]]
+        srcs = [t[:, :, :n].index_select(0, idx) for t in (self.keys, self.values)]  # read once written
+        # Host to host on the engine's stream, after the H2D copies still reading the arena layer.
+        _engine.copy_into(dsts, srcs, True)
+
+    def _rebatch(self, pick) -> None:
+        if not self.is_initialized:
+            return
+        k, v = (pick(t).contiguous() for t in (self.keys, self.values))
+        self._set_arena(k, v)
+        self.batch_size = k.shape[0]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._rebatch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        idx = indices.to(_CPU) if isinstance(indices, torch.Tensor) else indices
+        self._rebatch(lambda t: t[idx])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if not self.is_initialized:
+            return
+        remove = _tokens_to_remove(tokens_to_remove, int(self.get_seq_length()))
+        _check_croppable(self, remove)
+        if remove:
+            self._drop_prefetch()
+            self._shorten(remove)  # positions past the length are zeroed in the device buffer when taken
+
+    def _shorten(self, remove: int) -> None:
+        raise NotImplementedError
+
+    # deepcopy / pickle -------------------------------------------------------------------------
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        if self._host_k is not None:
+            state["_host_k"], state["_host_v"] = self.keys, self.values  # waits for the D2H copies
+        state.update(_buffers=None, _prefetched=None, _dev_k=None, _dev_v=None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self._host_k is not None:  # plain CPU tensors now: back into this process's arena
+            self._set_arena(self._host_k, self._host_v)
+        if isinstance(self.cumulative_length, torch.Tensor):
+            torch._dynamo.mark_static_address(self.cumulative_length)
 
 
 class OffloadedStaticLayer(_StaticOffloaded, StaticLayer):
@@ -173,6 +318,9 @@ class OffloadedStaticLayer(_StaticOffloaded, StaticLayer):
 
     def _filled(self) -> int:
         return self._seq
+
+    def _out_len(self, n: int) -> int:
+        return self.max_cache_len
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
@@ -190,6 +338,10 @@ class OffloadedStaticLayer(_StaticOffloaded, StaticLayer):
         self.cumulative_length.add_(n)
         return k, v
 
+    def _shorten(self, remove: int) -> None:
+        self._seq -= remove
+        self.cumulative_length.sub_(remove)
+
     def reset(self) -> None:
         self._drop_prefetch()
         self._seq = 0
@@ -206,20 +358,33 @@ class OffloadedStaticSlidingLayer(_StaticOffloaded, StaticSlidingWindowLayer):
     def _filled(self) -> int:
         return min(self.cumulative_length_int, self.max_cache_len)
 
+    def _out_len(self, n: int) -> int:
+        """The length StaticSlidingWindowLayer.update returns for `n` new tokens."""
+        cur, window = self.cumulative_length_int, self.max_cache_len
+        if cur >= window:
+            return window if n == 1 else window - 1 + n
+        if cur + n > window:
+            return n if cur == 0 else cur + n
+        return window
+
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         start, n, window = self.cumulative_length_int, key_states.shape[-2], self.max_cache_len
-        self.keys, self.values = self._take_buffer(min(start + n, window))
+        self._dev_k, self._dev_v = self._take_buffer(min(start + n, window))
         try:  # StaticCache's own update, on the device buffer
             keys, values = StaticSlidingWindowLayer.update(self, key_states, value_states, *args, **kwargs)
             if start + n <= window:  # written in place at [start, start + n)
                 self._store_positions(start, key_states, value_states)
             else:  # the window moved: all of it changed
-                self._store_positions(0, self.keys, self.values)
+                self._store_positions(0, self._dev_k, self._dev_v)
         finally:
-            self.keys, self.values = self._host_k, self._host_v
+            self._dev_k = self._dev_v = None
         return keys, values
+
+    def _shorten(self, remove: int) -> None:  # only before the window dropped anything (_check_croppable)
+        self.cumulative_length_int -= remove
+        self.cumulative_length.sub_(remove)
 
     def reset(self) -> None:
         self._drop_prefetch()
@@ -227,7 +392,11 @@ class OffloadedStaticSlidingLayer(_StaticOffloaded, StaticSlidingWindowLayer):
         self.cumulative_length.zero_()
 
 
-class OffloadedStaticKVCache(_Unsupported, StaticCache):
+_CACHES: dict[int, weakref.ref] = {}  # handle -> cache, for the custom op
+_HANDLES = itertools.count()
+
+
+class OffloadedStaticKVCache(StaticCache):
     """A ``StaticCache`` whose full-attention layers keep their K/V in offcache's pinned arena.
 
     Usage: ``model.generate(**inputs, past_key_values=OffloadedStaticKVCache(config=model.config,
@@ -251,9 +420,17 @@ class OffloadedStaticKVCache(_Unsupported, StaticCache):
         kwargs.pop("offload_only_non_sliding", None)
         super().__init__(config=config, max_cache_len=max_cache_len, **kwargs)
         self.offload_sliding = offload_sliding
-        self._buffers: dict = {}  # device buffers shared by the offloaded layers, by shape
-        self.layers = [self._offloaded(layer) for layer in self.layers]
+        self._buffers = _BufferPool()  # device buffers shared by the offloaded layers, by shape
+        shared = _kv_shared_sources(config)
+        self.layers = [layer if i in shared else self._offloaded(layer) for i, layer in enumerate(self.layers)]
         self._offloaded_idx = [i for i, layer in enumerate(self.layers) if isinstance(layer, _StaticOffloaded)]
+        self._register()
+
+    def _register(self) -> None:
+        self._handle = next(_HANDLES)
+        _CACHES[self._handle] = weakref.ref(self)
+        # A tensor, not an int: dynamo guards on int attributes (a recompile per cache), not on tensor values.
+        self._handle_t = torch.tensor(self._handle)
 
     def _offloaded(self, layer):
         if type(layer) is StaticLayer:
@@ -263,8 +440,18 @@ class OffloadedStaticKVCache(_Unsupported, StaticCache):
             return OffloadedStaticSlidingLayer(layer.max_cache_len, layer.max_cache_len, self._buffers)
         return layer  # sliding (resident by default), linear attention and others: as StaticCache has them
 
-    @torch.compiler.disable  # the engine calls run eagerly: one graph break per attention layer
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        layer = self.layers[layer_idx]
+        if torch.compiler.is_compiling():
+            if not isinstance(layer, _StaticOffloaded):
+                return layer.update(key_states, value_states, *args, **kwargs)  # traced as StaticCache's
+            out_len = layer._out_len(key_states.shape[-2])
+            return torch.ops.offcache.static_kv_update(
+                key_states, value_states, layer.cumulative_length, self._handle_t, layer_idx, out_len
+            )
+        return self._update_eager(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _update_eager(self, key_states, value_states, layer_idx, *args, **kwargs):
         out = self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
         nxt = self._next_offloaded(layer_idx)
         if nxt is not None:
@@ -281,3 +468,86 @@ class OffloadedStaticKVCache(_Unsupported, StaticCache):
     def device_buffer_bytes(self) -> int:
         """Bytes of the device buffers the offloaded layers share (2 layers per shape)."""
         return sum(b.nbytes() for b in self._buffers.values())
+
+    # transformers' operations: StaticCache's layers lack some; resident layers get them here ---------
+
+    def _each(self, op: str, arg) -> None:
+        for layer in self.layers:
+            if isinstance(layer, _StaticOffloaded) or not isinstance(layer, StaticLayer):
+                getattr(layer, op)(arg)  # ours, or linear attention: their own (or transformers' error)
+            else:
+                _resident_op(layer, op, arg)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self._each("crop", tokens_to_remove)
+
+    def activate_past_recording(self) -> None:
+        # Assisted decoding calls this first: a static window cannot keep the tokens a rollback needs.
+        if any(getattr(layer, "is_sliding", False) for layer in self.layers):
+            raise ValueError(
+                "assisted generate is not supported with static sliding window layers: OffloadedStaticKVCache "
+                "cannot roll a window back once it dropped tokens (use OffloadedKVCache)"
+            )
+        super().activate_past_recording()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._each("batch_repeat_interleave", repeats)
+        self._drop_unused_buffers()
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._each("batch_select_indices", indices)
+        self._drop_unused_buffers()
+
+    def _drop_unused_buffers(self) -> None:
+        """Device buffers of the old batch size: no layer will take them again."""
+        shapes = {(tuple(ly._host_k.shape), tuple(ly._host_v.shape), ly.dtype, ly.device)
+                  for ly in self.layers if isinstance(ly, _StaticOffloaded) and ly._host_k is not None}  # fmt: skip
+        for key in [k for k in self._buffers if k not in shapes]:
+            del self._buffers[key]
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._register()
+
+
+def _kv_shared_sources(config) -> set[int]:
+    """Layers whose K/V later layers of the same step read through ``shared_kv_states`` (Gemma3n, Gemma4).
+
+    Each is the last cached layer of its type; kept resident, since an offloaded layer's device buffer
+    is refilled by the next layers' prefetches while the sharing layers still read it.
+    """
+    text = config.get_text_config(decoder=True)
+    modes = getattr(text, "kv_sharing_modes", None)  # transformers >= 5.2x names the producers "store"
+    if modes is not None:
+        return {i for i, mode in enumerate(modes) if mode == "store"}
+    if not (getattr(text, "num_kv_shared_layers", 0) or 0):
+        return set()
+    types = get_layer_types_and_kwargs(text)[0]  # the cached layers: shared ones are cut off
+    return {len(types) - 1 - types[::-1].index(t) for t in set(types)}
+
+
+@torch.library.custom_op("offcache::static_kv_update", mutates_args=("cumulative_length",),
+                         tags=(torch.Tag.cudagraph_unsafe,))  # fmt: skip
+def _static_kv_update(
+    key_states: torch.Tensor,
+    value_states: torch.Tensor,
+    cumulative_length: torch.Tensor,
+    handle: torch.Tensor,
+    layer_idx: int,
+    out_len: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One offloaded layer's update, run eagerly from a compiled graph (host bookkeeping at every call)."""
+    cache = _CACHES[int(handle)]()
+    layer = cache.layers[layer_idx]
+    k, v = cache._update_eager(key_states, value_states, layer_idx)
+    if cumulative_length is not layer.cumulative_length:  # a functionalized copy: carries the new length out
+        cumulative_length.copy_(layer.cumulative_length)
+    # Copies: graph outputs must not alias the device buffers that later layers' prefetches rewrite.
+    return k.clone(), v.clone()
+
+
+@_static_kv_update.register_fake
+def _(key_states, value_states, cumulative_length, handle, layer_idx, out_len):
+    b, h = key_states.shape[:2]
+    return (key_states.new_empty((b, h, out_len, key_states.shape[-1])),
+            value_states.new_empty((b, h, out_len, value_states.shape[-1])))  # fmt: skip

@@ -18,4 +18,6 @@ if ! .venv/bin/python -m pip show -q offcache >/dev/null 2>&1; then
   OFFCACHE_EDITABLE_NO_BUILD=1 .venv/bin/python -m pip install -q --disable-pip-version-check \
     --no-build-isolation --no-deps -e .
 fi
+# The newest transformers as an overlay, for the KV-cache tests (scripts/test.sh runs them on both).
+bash scripts/setup_tf_newest.sh
 .venv/bin/python -c "import offcache, json; print('offcache', json.dumps(offcache.build_info()))"

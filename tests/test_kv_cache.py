@@ -4,6 +4,8 @@ import pytest
 import torch
 
 import offcache
+import offcache.kv_cache
+from offcache import _engine
 from offcache.bench.models import causal_lm
 
 transformers = pytest.importorskip("transformers")
@@ -107,3 +109,192 @@ def test_kv_size_cli(capsys):
     out = capsys.readouterr().out
     assert "1073741824 bytes = 1.0000 GiB" in out
     assert "21.475 ms" in out  # 2^30 B / 50 GB/s
+
+
+# Layer K/V, transformers' cache operations, deepcopy (issues 17 and 20) --------------------------
+
+offload_modes = pytest.mark.parametrize(
+    "kind, offload_sliding", [("llama", False), ("mistral", False), ("mistral", True)]
+)
+
+
+def run(model, ids, cache, new, **kwargs):
+    """generate with `kwargs` overriding the greedy defaults (seeded, for sampling)."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        return model.generate(**{"input_ids": ids, "attention_mask": torch.ones_like(ids), "past_key_values": cache,
+                                 "max_new_tokens": new, "do_sample": False, "pad_token_id": 0, **kwargs})  # fmt: skip
+
+
+def random_ids(batch, prompt, seed=0):
+    return torch.randint(1, 128, (batch, prompt), generator=torch.Generator().manual_seed(seed))
+
+
+def assert_same_layers(ours, theirs):
+    """Every layer's K/V hold the reference's values; offloaded ones are CPU tensors of offcache's memory."""
+    assert len(ours.layers) == len(theirs.layers)
+    for i, (a, b) in enumerate(zip(ours.layers, theirs.layers)):
+        if isinstance(a, offcache.kv_cache._Offloaded):
+            assert a.keys.device.type == "cpu" and _engine.is_offcache_tensor(a.keys), i
+            assert _engine.is_offcache_tensor(a.values), i
+        assert a.get_seq_length() == b.get_seq_length(), i
+        assert torch.equal(a.keys.cpu(), b.keys.cpu()) and torch.equal(a.values.cpu(), b.values.cpu()), i
+
+
+@pytest.mark.parametrize("engine", ["host", "host-1MiB-slow"], indirect=True)
+@offload_modes
+def test_layer_keys_and_values_hold_the_cached_states(engine, kind, offload_sliding):
+    """layers[i].keys / .values equal DynamicCache's, read right after generate (copies slowed: must wait)."""
+    model = tiny_model(kind)
+    ids = random_ids(2, 6, seed=1)
+    ref = transformers.DynamicCache(config=model.config)
+    run(model, ids, ref, 14)
+    cache = offcache.OffloadedKVCache(config=model.config, offload_sliding=offload_sliding, compact_every=4)
+    run(model, ids, cache, 14)
+    assert_same_layers(cache, ref)
+    keys = [layer.keys for layer in cache.layers]
+    assert all(k.shape == (2, 2, k.shape[2], 16) for k in keys)
+    assert all(a is b for a, b in zip(keys, [ly.keys for ly in cache.layers]))  # read again: the same tensors
+
+
+@pytest.mark.parametrize("engine", ["host"], indirect=True)
+def test_layer_keys_cost_nothing_unless_read(engine):
+    """Per step only the new tokens go D2H; a read joins the chunks once (host-side), then reads are free."""
+    model = tiny_model("llama")
+    layers, p, k = model.config.num_hidden_layers, 5, 9
+    cache = offcache.OffloadedKVCache(config=model.config, compact_every=1000)
+    before = offcache.stats()
+    run(model, random_ids(1, p, seed=2), cache, k)
+    offcache.synchronize()
+    per_token = 2 * 2 * 16 * 4  # K and V of 2 heads of 16 fp32
+    assert offcache.stats()["d2h_bytes"] - before["d2h_bytes"] == layers * (p + k - 1) * per_token
+    assert all(len(layer._host_k) == k for layer in cache.layers)  # the prefill, then one chunk per step
+    first = cache.layers[0].keys
+    assert first.shape == (1, 2, p + k - 1, 16) and len(cache.layers[0]._host_k) == 1
+    mid = offcache.stats()
+    assert cache.layers[0].keys is first and cache.layers[0].values is cache.layers[0].values
+    offcache.synchronize()
+    assert offcache.stats()["d2h_bytes"] == mid["d2h_bytes"]  # the second read copied nothing
+
+
+@pytest.mark.parametrize("engine", ["host", "host-1MiB-slow"], indirect=True)
+@offload_modes
+@pytest.mark.parametrize("search", [dict(num_beams=3), dict(num_beams=2, do_sample=True, top_k=5),
+                                    dict(num_beams=2, num_return_sequences=2)])  # fmt: skip
+def test_beam_search_same_tokens_as_dynamic_cache(engine, kind, offload_sliding, search):
+    model = tiny_model(kind)
+    ids = random_ids(2, 5, seed=3)
+    want = run(model, ids, transformers.DynamicCache(config=model.config), 14, **search)
+    cache = offcache.OffloadedKVCache(config=model.config, offload_sliding=offload_sliding, compact_every=4)
+    assert torch.equal(run(model, ids, cache, 14, **search), want)
+
+
+@pytest.mark.parametrize("engine", ["host", "host-1MiB-slow"], indirect=True)
+@offload_modes
+@pytest.mark.parametrize("assist", ["model", "prompt_lookup"])
+def test_assisted_decoding_same_tokens_as_greedy(engine, kind, offload_sliding, assist):
+    """Assisted / prompt-lookup decoding crop the cache after each rejected candidate."""
+    model = tiny_model(kind)
+    # A repetitive prompt: prompt lookup finds candidates; a differently seeded assistant proposes others.
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+    extra = ({"assistant_model": causal_lm(kind, seed=1, **({"sliding_window": 8} if kind == "mistral" else {}))}
+             if assist == "model" else {"prompt_lookup_num_tokens": 3})  # fmt: skip
+    want = run(model, ids, transformers.DynamicCache(config=model.config), 16)
+    cache = offcache.OffloadedKVCache(config=model.config, offload_sliding=offload_sliding, compact_every=4)
+    ref_cache = transformers.DynamicCache(config=model.config)
+    assert torch.equal(run(model, ids, ref_cache, 16, **extra), want)  # the reference path itself
+    assert torch.equal(run(model, ids, cache, 16, **extra), want)
+    assert_same_layers(cache, ref_cache)
+
+
+@pytest.mark.parametrize("engine", ["host", "host-1MiB-slow"], indirect=True)
+@offload_modes
+def test_batch_select_and_repeat_same_as_dynamic_cache(engine, kind, offload_sliding):
+    """Fill with a prompt, select / repeat batch rows, decode on: the same tokens and K/V as DynamicCache."""
+    model = tiny_model(kind)
+    ids = random_ids(3, 6, seed=4)
+    outs, caches = [], []
+    ours = offcache.OffloadedKVCache(config=model.config, offload_sliding=offload_sliding, compact_every=3)
+    for cache in (transformers.DynamicCache(config=model.config), ours):
+        with torch.no_grad():
+            step = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            cache.batch_select_indices(torch.tensor([2, 0]))
+            step, tokens = step[[2, 0]], []
+            for i in range(12):
+                if i == 4:
+                    cache.batch_repeat_interleave(2)
+                    step = step.repeat_interleave(2, dim=0)
+                step = model(input_ids=step, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+                tokens.append(step[-2:])
+        outs.append(torch.cat(tokens, dim=1))
+        caches.append(cache)
+    assert torch.equal(outs[1], outs[0])
+    assert_same_layers(caches[1], caches[0])
+
+
+@pytest.mark.parametrize("engine", ["host"], indirect=True)
+def test_crop_follows_transformers_rules(engine):
+    """crop: a length change; past the window without recorded past, transformers' RuntimeError."""
+    model = tiny_model("mistral")
+    for offload_sliding in (False, True):
+        ref = transformers.DynamicCache(config=model.config)
+        cache = offcache.OffloadedKVCache(config=model.config, offload_sliding=offload_sliding)
+        for c in (ref, cache):
+            with torch.no_grad():
+                model(input_ids=random_ids(1, 6, seed=5), past_key_values=c, use_cache=True)
+            c.crop(-2)
+        assert_same_layers(cache, ref)
+        for c in (ref, cache):
+            with torch.no_grad():
+                model(input_ids=random_ids(1, 6, seed=6), past_key_values=c, use_cache=True)
+        errors = []
+        for c in (ref, cache):
+            with pytest.raises(RuntimeError) as e:
+                c.crop(-1)
+            errors.append(str(e.value))
+        assert errors[0] == errors[1] and "sliding window" in errors[0]
+    llama = tiny_model("llama")
+    ref, cache = transformers.DynamicCache(config=llama.config), offcache.OffloadedKVCache(config=llama.config)
+    outcomes = []
+    for c in (ref, cache):
+        with torch.no_grad():
+            llama(input_ids=random_ids(2, 7, seed=7), past_key_values=c, use_cache=True)
+        c.crop(-3)
+        try:  # the legacy form (keep 2): deprecated, then refused by newer transformers; the same either way
+            c.crop(2)
+            outcomes.append(None)
+        except ValueError as e:
+            outcomes.append(str(e))
+    assert outcomes[0] == outcomes[1]
+    assert cache.get_seq_length() == ref.get_seq_length() == (4 if outcomes[0] else 2)
+    assert_same_layers(cache, ref)
+
+
+def fill_then_copy(model, cache, prompt, copier):
+    with torch.no_grad():
+        model(input_ids=prompt, past_key_values=cache, use_cache=True)
+    return copier(cache)
+
+
+@pytest.mark.parametrize("engine", ["host", "host-1MiB-slow"], indirect=True)
+@pytest.mark.parametrize("layers", [1, 3])
+@pytest.mark.parametrize("kind, offload_sliding", [("llama", False), ("mistral", True)])
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copied_cache_generates_like_dynamic_cache(engine, layers, kind, offload_sliding, how):
+    """The prompt-reuse recipe: fill, deepcopy (or pickle), generate from the copy; twice from one prompt."""
+    import copy
+    import pickle
+
+    copier = copy.deepcopy if how == "deepcopy" else (lambda c: pickle.loads(pickle.dumps(c)))
+    shape = {"num_hidden_layers": layers, **({"sliding_window": 8} if kind == "mistral" else {})}
+    model = causal_lm(kind, **shape)
+    prompt, ids = random_ids(1, 6, seed=8), random_ids(1, 9, seed=8)
+    ids[:, :6] = prompt
+    ref = fill_then_copy(model, transformers.DynamicCache(config=model.config), prompt, copy.deepcopy)
+    want = run(model, ids, ref, 10)
+    filled = offcache.OffloadedKVCache(config=model.config, offload_sliding=offload_sliding)
+    copied = fill_then_copy(model, filled, prompt, copier)
+    assert torch.equal(run(model, ids, copied, 10), want)
+    assert_same_layers(copied, ref)
+    assert torch.equal(run(model, ids, copier(filled), 10), want)  # the original is intact
+    assert torch.equal(run(model, ids, filled, 10), want)

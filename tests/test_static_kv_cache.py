@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import offcache
+import offcache.static_kv_cache
 from offcache import _engine
 from offcache.bench.models import causal_lm
 from offcache.static_kv_cache import OffloadedStaticKVCache
@@ -167,19 +168,29 @@ def test_traffic_of_a_whole_generation(engine):
 
 
 @pytest.mark.parametrize("kind, offload_sliding", [("llama", False), ("mistral", True)])
-def test_torch_compile_same_tokens(kind, offload_sliding):
-    """torch.compile(model.forward), backend aot_eager: the graph breaks at each cache update."""
+def test_torch_compile_fullgraph_same_tokens(kind, offload_sliding):
+    """torch.compile(model.forward, fullgraph=True), backend aot_eager: the cache update is one custom op."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
     model = tiny_model(kind)
     ids = random_ids(2, 5, seed=7)
     eager = generate(model, ids, transformers.StaticCache(config=model.config, max_cache_len=16), 8)
-    model.forward = torch.compile(model.forward, backend="aot_eager")
+    counter = CompileCounterWithBackend("aot_eager")
+    forward = model.forward
+    model.forward = torch.compile(forward, backend=counter, fullgraph=True)  # a graph break raises
     torch._dynamo.reset()
-    compiled_ref = generate(model, ids, transformers.StaticCache(config=model.config, max_cache_len=16), 8)
-    cache = OffloadedStaticKVCache(config=model.config, max_cache_len=16, offload_sliding=offload_sliding)
-    got = generate(model, ids, cache, 8)
-    torch._dynamo.reset()
+    try:
+        compiled_ref = generate(model, ids, transformers.StaticCache(config=model.config, max_cache_len=16), 8)
+        ref_graphs, counter.frame_count = counter.frame_count, 0
+        cache = OffloadedStaticKVCache(config=model.config, max_cache_len=16, offload_sliding=offload_sliding)
+        got = generate(model, ids, cache, 8)
+    finally:
+        model.forward = forward
+        torch._dynamo.reset()
     assert torch.equal(got.sequences, eager.sequences)
     assert_same(got, compiled_ref)  # same graphs around the cache: same logits too
+    assert 0 < counter.frame_count <= ref_graphs  # no more (re)compilations than StaticCache needs
+    assert all(ly.keys.device.type == "cpu" for ly in cache.layers)
 
 
 def test_generate_auto_compile():
@@ -195,17 +206,8 @@ def test_generate_auto_compile():
     assert torch.equal(got.sequences, want.sequences)
 
 
-def test_unsupported_operations_raise():
+def test_errors():
     model = tiny_model("llama")
-    cache = OffloadedStaticKVCache(config=model.config, max_cache_len=32)
-    for call, what in ((lambda: cache.crop(3), "cropping"), (lambda: cache.reorder_cache(torch.tensor([0])), "beam"),
-                       (lambda: cache.batch_repeat_interleave(2), "batch expansion"),
-                       (lambda: cache.batch_select_indices(torch.tensor([0])), "batch selection")):  # fmt: skip
-        with pytest.raises(NotImplementedError, match=what):
-            call()
-    with pytest.raises(NotImplementedError, match="beam search"):
-        generate(model, random_ids(1, 4), OffloadedStaticKVCache(config=model.config, max_cache_len=32), 5,
-                 num_beams=2)  # fmt: skip
     with pytest.raises(IndexError, match="max_cache_len=8"):
         generate(model, random_ids(1, 6), OffloadedStaticKVCache(config=model.config, max_cache_len=8), 5)
     with pytest.raises(ValueError, match="offloading"):
@@ -252,3 +254,183 @@ def test_static_traffic_arithmetic_and_cli(capsys):
     assert "D2H 131072 bytes, H2D 1073741824 bytes (21.475 ms H2D" in out
     assert "D2H 4294967296 bytes, H2D 4294967296 bytes (85.899 ms H2D" in out
     assert "4.00x" in out
+
+
+# Layer K/V, transformers' cache operations, deepcopy (issues 17 and 20) --------------------------
+
+
+def run(model, ids, cache, new, **kwargs):
+    """generate with `kwargs` overriding the greedy defaults (seeded, for sampling)."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        return model.generate(**{"input_ids": ids, "attention_mask": torch.ones_like(ids), "past_key_values": cache,
+                                 "max_new_tokens": new, "do_sample": False, "pad_token_id": 0, **kwargs})  # fmt: skip
+
+
+def assert_same_layers(ours, theirs, exact=True):
+    """Every layer's K/V hold the reference's values (read at once: reads wait for the copies)."""
+    assert len(ours.layers) == len(theirs.layers)
+    for i, (a, b) in enumerate(zip(ours.layers, theirs.layers)):
+        if isinstance(a, offcache.static_kv_cache._StaticOffloaded):
+            assert a.keys.device.type == "cpu" and _engine.is_offcache_tensor(a.keys), i
+        assert int(a.get_seq_length()) == int(b.get_seq_length()), i
+        n = min(int(a.get_seq_length()), a.keys.shape[-2])
+        for x, y in ((a.keys, b.keys), (a.values, b.values)):
+            x, y = x[:, :, :n].cpu(), y[:, :, :n].cpu()
+            assert torch.equal(x, y) if exact else torch.allclose(x, y, atol=1e-5), i
+
+
+offload_modes = pytest.mark.parametrize(
+    "kind, offload_sliding", [("llama", False), ("mistral", False), ("mistral", True)]
+)
+
+
+@pytest.mark.parametrize("engine", ["host-1MiB-slow"], indirect=True)
+@offload_modes
+def test_layer_keys_read_after_the_copies_land(engine, kind, offload_sliding):
+    """Read at once after an update (no synchronize) with slowed copies: the values just written."""
+    model = tiny_model(kind)
+    ref = transformers.StaticCache(config=model.config, max_cache_len=12)
+    cache = OffloadedStaticKVCache(config=model.config, max_cache_len=12, offload_sliding=offload_sliding)
+    for c in (ref, cache):
+        k = torch.arange(1, 2 * 2 * 3 * 16 + 1, dtype=torch.float32).reshape(2, 2, 3, 16)
+        for i in range(len(c.layers)):
+            c.update(k + i, -k - i, i)
+    assert_same_layers(cache, ref)
+    ids = random_ids(2, 4, seed=12)
+    ref = transformers.StaticCache(config=model.config, max_cache_len=20)
+    cache = OffloadedStaticKVCache(config=model.config, max_cache_len=20, offload_sliding=offload_sliding)
+    run(model, ids, ref, 12)
+    run(model, ids, cache, 12)
+    assert_same_layers(cache, ref)
+
+
+@pytest.mark.parametrize("engine", ["host", "host-1MiB-slow"], indirect=True)
+@offload_modes
+@pytest.mark.parametrize("search", [dict(num_beams=3), dict(num_beams=2, do_sample=True, top_k=5)])
+def test_beam_search_same_as_static_cache(engine, kind, offload_sliding, search):
+    model = tiny_model(kind)
+    ids = random_ids(2, 5, seed=3)
+    ref = transformers.StaticCache(config=model.config, max_cache_len=24)
+    want = run(model, ids, ref, 14, **search)
+    cache = OffloadedStaticKVCache(config=model.config, max_cache_len=24, offload_sliding=offload_sliding)
+    assert torch.equal(run(model, ids, cache, 14, **search), want)
+    assert_same_layers(cache, ref)
+
+
+@pytest.mark.parametrize("engine", ["host", "host-1MiB-slow"], indirect=True)
+@pytest.mark.parametrize("assist", ["model", "prompt_lookup"])
+def test_assisted_decoding_same_tokens_as_greedy(engine, assist):
+    """Candidates rejected by the model are cropped off; tokens equal StaticCache's greedy ones."""
+    model = tiny_model("llama")
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+    extra = {"assistant_model": causal_lm("llama", seed=1)} if assist == "model" else {"prompt_lookup_num_tokens": 3}
+    want = run(model, ids, transformers.StaticCache(config=model.config, max_cache_len=40), 16)
+    cache = OffloadedStaticKVCache(config=model.config, max_cache_len=40)
+    assert torch.equal(run(model, ids, cache, 16, **extra), want)
+    assert int(cache.get_seq_length()) == 10 + 16 - 1
+
+
+@pytest.mark.parametrize("engine", ["host"], indirect=True)
+@pytest.mark.parametrize("offload_sliding", [False, True])
+def test_crop_of_sliding_layers(engine, offload_sliding):
+    """Within the window crop is a length change; once the window dropped tokens, a RuntimeError."""
+    model = tiny_model("mistral")
+    ids = random_ids(1, 7, seed=13)
+    ref = transformers.StaticCache(config=model.config, max_cache_len=16)
+    cache = OffloadedStaticKVCache(config=model.config, max_cache_len=16, offload_sliding=offload_sliding)
+    with torch.no_grad():
+        want = model(input_ids=ids, past_key_values=ref, use_cache=True).logits
+        model(input_ids=ids[:, :6], past_key_values=cache, use_cache=True)
+        cache.crop(-2)
+        assert int(cache.get_seq_length()) == 4
+        got = model(input_ids=ids[:, 4:], past_key_values=cache, use_cache=True).logits
+        assert torch.allclose(got, want[:, 4:], atol=1e-5)
+        model(input_ids=ids[:, :2], past_key_values=cache, use_cache=True)  # 9 > window 8: one dropped
+    with pytest.raises(RuntimeError, match="sliding window"):
+        cache.crop(-1)
+    cache.crop(0)  # removes nothing: fine
+    with pytest.raises(ValueError, match="assisted"):  # refused up front, not mid-generation
+        run(model, ids, OffloadedStaticKVCache(config=model.config, max_cache_len=16), 4, prompt_lookup_num_tokens=2)
+
+
+@pytest.mark.parametrize("engine", ["host", "host-1MiB-slow"], indirect=True)
+@offload_modes
+def test_batch_select_and_repeat_same_tokens_as_dynamic_cache(engine, kind, offload_sliding):
+    """Fill with a prompt, select / repeat batch rows, decode on: DynamicCache's tokens and K/V."""
+    model = tiny_model(kind)
+    ids = random_ids(3, 6, seed=4)
+    outs, caches = [], []
+    ours = OffloadedStaticKVCache(config=model.config, max_cache_len=24, offload_sliding=offload_sliding)
+    for cache in (transformers.DynamicCache(config=model.config), ours):
+        with torch.no_grad():
+            step = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            cache.batch_select_indices(torch.tensor([2, 0]))
+            step, tokens = step[[2, 0]], []
+            for i in range(12):
+                if i == 4:
+                    cache.batch_repeat_interleave(2)
+                    step = step.repeat_interleave(2, dim=0)
+                step = model(input_ids=step, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+                tokens.append(step[-2:])
+        outs.append(torch.cat(tokens, dim=1))
+        caches.append(cache)
+    assert torch.equal(outs[1], outs[0])
+    assert ours.batch_size == 4
+    if ours._offloaded_idx:  # device buffers of the batch size in use only: 2 layers' worth
+        layer = ours.layers[ours._offloaded_idx[0]]
+        assert ours.device_buffer_bytes() == 2 * 2 * layer._host_k.numel() * layer._host_k.element_size()
+    if kind == "llama":
+        assert_same_layers(caches[1], caches[0], exact=False)
+
+
+def fill(model, cache, prompt):
+    with torch.no_grad():
+        model(input_ids=prompt, past_key_values=cache, use_cache=True)
+    return cache
+
+
+@pytest.mark.parametrize("engine", ["host", "host-1MiB-slow"], indirect=True)
+@pytest.mark.parametrize("layers", [1, 3])
+@pytest.mark.parametrize("kind, offload_sliding", [("llama", False), ("mistral", True)])
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copied_cache_generates_like_static_cache(engine, layers, kind, offload_sliding, how):
+    """The prompt-reuse recipe: fill, deepcopy (or pickle), generate from the copy."""
+    import copy
+    import pickle
+
+    copier = copy.deepcopy if how == "deepcopy" else (lambda c: pickle.loads(pickle.dumps(c)))
+    model = causal_lm(kind, num_hidden_layers=layers, **({"sliding_window": 8} if kind == "mistral" else {}))
+    prompt, ids = random_ids(1, 6, seed=8), random_ids(1, 9, seed=8)
+    ids[:, :6] = prompt
+    ref = copy.deepcopy(fill(model, transformers.StaticCache(config=model.config, max_cache_len=24), prompt))
+    want = run(model, ids, ref, 10)
+    ours = OffloadedStaticKVCache(config=model.config, max_cache_len=24, offload_sliding=offload_sliding)
+    filled = fill(model, ours, prompt)
+    copied = copier(filled)
+    assert torch.equal(run(model, ids, copied, 10), want)
+    assert_same_layers(copied, ref)
+    assert torch.equal(run(model, ids, copier(filled), 10), want)  # the original is intact
+    assert torch.equal(run(model, ids, filled, 10), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind, offload_sliding", [("llama", False), ("mistral", True)])
+def test_reduce_overhead_fullgraph_same_tokens_on_cuda(kind, offload_sliding):
+    """mode="reduce-overhead", fullgraph: the custom op stays out of the CUDA graphs (graph partition)."""
+    model = tiny_model(kind, "cuda")
+    ids = random_ids(2, 9, seed=9, device="cuda")
+    want = generate(model, ids, transformers.StaticCache(config=model.config, max_cache_len=64), 24,
+                    disable_compile=True)  # fmt: skip
+    forward = model.forward
+    model.forward = torch.compile(forward, mode="reduce-overhead", fullgraph=True)
+    torch._dynamo.reset()
+    try:
+        for _ in range(2):  # the second run replays the recorded graphs
+            cache = OffloadedStaticKVCache(config=model.config, max_cache_len=64, offload_sliding=offload_sliding)
+            got = generate(model, ids, cache, 24, disable_compile=True)
+            assert torch.equal(got.sequences, want.sequences)
+            assert all(ly.keys.device.type == "cpu" for ly in cache.layers)  # all offloaded
+    finally:
+        model.forward = forward
+        torch._dynamo.reset()

@@ -39,6 +39,15 @@ class DeferredFrees {
   void forget() { pending_.clear(); }
   size_t size() const { return pending_.size(); }
   size_t bytes() const;
+  // Bytes of the pending blocks for which keep(block) is true.
+  template <class Keep>
+  size_t bytes_where(Keep&& keep) const {
+    size_t total = 0;
+    for (const auto& p : pending_) {
+      if (keep(p.block)) total += p.block.size;
+    }
+    return total;
+  }
 
  private:
   struct Pending {

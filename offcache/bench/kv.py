@@ -175,6 +175,50 @@ def run_static_cases(ctx: Context, model, cases, repeats: int) -> list[dict]:
     return rows
 
 
+class _GraphBreakStaticKVCache(offcache.OffloadedStaticKVCache):
+    """The update as it was before the custom op: excluded from compilation, a graph break per layer."""
+
+    @torch.compiler.disable
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return self._update_eager(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+def run_compiled_static_case(ctx: Context, model, case: str, prompt: int, new: int, factor: int, repeats: int):
+    """CPU decode of ``torch.compile(model.forward)`` (backend aot_eager): StaticCache (fullgraph),
+    offcache's static cache as before (a graph break at each update) and now (fullgraph, custom op)."""
+    import transformers
+
+    max_len = factor * (prompt + new)
+    kw = dict(config=model.config, max_cache_len=max_len)
+    forward = model.forward
+    compiled = {fg: torch.compile(forward, backend="aot_eager", fullgraph=fg) for fg in (True, False)}
+    current = [None]
+
+    def compiled_with(impl, make, fullgraph):
+        def make_cache():
+            if current[0] != impl:  # a fresh compilation per implementation, reused across its runs
+                torch._dynamo.reset()
+                current[0] = impl
+            model.forward = compiled[fullgraph]
+            return make()
+
+        return make_cache
+
+    caches = {
+        "static": compiled_with("static", lambda: transformers.StaticCache(**kw), True),
+        "offcache_static_graph_breaks": compiled_with("breaks", lambda: _GraphBreakStaticKVCache(**kw), False),
+        "offcache_static": compiled_with("offcache", lambda: offcache.OffloadedStaticKVCache(**kw), True),
+    }
+    try:
+        rows = run_case(ctx, model, case, prompt, new, repeats, caches, reference="static", disable_compile=True)
+    finally:
+        model.forward = forward
+        torch._dynamo.reset()
+    for r in rows:
+        r.update(max_cache_len=max_len, compile="aot_eager", fullgraph=r["impl"] != "offcache_static_graph_breaks")
+    return rows
+
+
 def run_kv(ctx: Context) -> list[dict]:
     model = _model(ctx)
     repeats = 2 if (ctx.quick or ctx.tiny) else 5
@@ -195,6 +239,8 @@ def run_kv(ctx: Context) -> list[dict]:
     for case, prompt, new in cases:
         rows += run_case(ctx, model, case, prompt, new, repeats)
     rows += run_static_cases(ctx, model, static, repeats)
+    if not ctx.gpu and not ctx.tiny:  # compiled decode on the CPU: graph breaks (before), one graph (now)
+        rows += run_compiled_static_case(ctx, model, "static_4x_compiled_cpu", 256, 16, 4, repeats)
     if ctx.gpu and not ctx.tiny:
         rows += _constrained_case(ctx, model, repeats)
     else:

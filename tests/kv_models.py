@@ -1,0 +1,60 @@
+"""Tiny random models of the layer kinds the KV caches must handle, built in code (no hub access)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def tiny_causal_lm(kind: str, sliding_window: int = 8, seed: int = 0):
+    """A random causal LM in eval mode with hidden size 32-64 and a few layers:
+
+    gemma3n / gemma4: KV-sharing (the last 2 layers read earlier layers' K/V through shared_kv_states);
+    gemma3: alternating sliding and full layers; lfm2: hybrid conv / attention layers.
+    """
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+                  head_dim=16, max_position_embeddings=256)  # fmt: skip
+    alternating = ["sliding_attention", "full_attention"] * 3
+    if kind == "gemma3n":
+        config = transformers.Gemma3nTextConfig(
+            **common, num_hidden_layers=6, layer_types=alternating, sliding_window=sliding_window,
+            num_kv_shared_layers=2, vocab_size_per_layer_input=128, hidden_size_per_layer_input=8, laurel_rank=4,
+            altup_num_inputs=2, activation_sparsity_pattern=[0.0] * 6,
+        )  # fmt: skip
+        model = transformers.Gemma3nForCausalLM(config)
+    elif kind == "gemma4":
+        config = transformers.Gemma4TextConfig(
+            **common, num_hidden_layers=6, layer_types=alternating, sliding_window=sliding_window,
+            num_kv_shared_layers=2, vocab_size_per_layer_input=128, hidden_size_per_layer_input=8,
+            global_head_dim=32,
+        )  # fmt: skip
+        model = transformers.Gemma4ForCausalLM(config)
+    elif kind == "gemma3":
+        config = transformers.Gemma3TextConfig(**common, num_hidden_layers=4, sliding_window=sliding_window,
+                                               layer_types=alternating[:4])  # fmt: skip
+        model = transformers.Gemma3ForCausalLM(config)
+    elif kind == "lfm2":
+        config = transformers.Lfm2Config(
+            vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=256, layer_types=["conv", "full_attention"] * 2,
+        )  # fmt: skip
+        model = transformers.Lfm2ForCausalLM(config)
+    else:
+        raise ValueError(kind)
+    return model.eval()
+
+
+def tiny_mlp_moe_lm(seed: int = 0):
+    """NemotronH with "mlp" and "moe" layers between full-attention ones: layers with no cache of their own."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.NemotronHConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, max_position_embeddings=256, layers_block_type=["mlp", "full_attention", "moe", "full_attention"],
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, moe_shared_expert_intermediate_size=16,
+        n_group=1, topk_group=1,
+    )  # fmt: skip
+    return transformers.NemotronHForCausalLM(config).eval()
