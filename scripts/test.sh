@@ -35,6 +35,9 @@ done
 if [ -e "${CUDA_HOME:-/usr/local/cuda}/include/cuda_runtime_api.h" ]; then export OFFCACHE_EXPECT_CUDA=1; fi
 .venv/bin/python -m pytest -p no:cacheprovider -q tests "$@"
 # The KV caches again on the newest transformers (overlay made by scripts/setup_tf_newest.sh).
+# The slowed and disk engine configurations test the engine, which the run above covered.
 if [ -d .venv-tf-newest ]; then
-  PYTHONPATH=.venv-tf-newest .venv/bin/python -m pytest -p no:cacheprovider -q tests/test_kv_cache.py tests/test_static_kv_cache.py tests/test_kv_layer_kinds.py
+  PYTHONPATH=.venv-tf-newest .venv/bin/python -m pytest -p no:cacheprovider -q \
+    tests/test_kv_cache.py tests/test_static_kv_cache.py tests/test_kv_layer_kinds.py \
+    -k "not host-1MiB-slow and not host-disk"
 fi

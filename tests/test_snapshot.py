@@ -242,8 +242,10 @@ def _threads() -> int:
 
 
 def test_configure_retires_old_engines(engine_config):
-    gc.collect()  # tensors of earlier tests' engines held only by reference cycles go first
+    # Engines retired by earlier tests may still serve tensors those tests keep: counted from here.
+    gc.collect()
     engine_config(backend="host")
+    base = offcache.stats()["retired_engines"]
     kept = []
     start_threads = _threads()
     for _ in range(30):
@@ -251,27 +253,28 @@ def test_configure_retires_old_engines(engine_config):
         kept.append(_engine.store([torch.randn(1000)], CPU)[0])
     offcache.synchronize()
     s = offcache.stats()
-    assert s["retired_engines"] >= 29 and s["retired_reserved_bytes"] >= 29 << 20
+    assert s["retired_engines"] >= base + 29 and s["retired_reserved_bytes"] >= 29 << 20
     assert all(k.numel() == 1000 for k in kept)
     kept.clear()  # the old engines' last blocks die: they stop their threads and go
     for _ in range(200):
-        if offcache.stats()["retired_engines"] == 0 and _threads() <= start_threads + 2:
+        if offcache.stats()["retired_engines"] <= base and _threads() <= start_threads + 2:
             break
         threading.Event().wait(0.05)
-    assert offcache.stats()["retired_engines"] == 0
+    assert offcache.stats()["retired_engines"] <= base
     assert _threads() <= start_threads + 2
 
 
 def test_configure_with_nothing_stored_drops_the_old_engine_at_once(engine_config):
-    gc.collect()  # tensors of earlier tests' engines held only by reference cycles go first
+    # Engines retired by earlier tests may still serve tensors those tests keep: counted from here.
+    gc.collect()
     engine_config(backend="host")
-    offcache.stats()
+    base = offcache.stats()["retired_engines"]
     before = _threads()
     for _ in range(10):
         offcache.configure(backend="host")
         offcache.stats()  # builds the new engine
     threading.Event().wait(0.2)
-    assert offcache.stats()["retired_engines"] == 0
+    assert offcache.stats()["retired_engines"] <= base
     assert _threads() <= before + 2
 
 
