@@ -64,6 +64,12 @@ void Engine::check_streams() {
               "incomplete; offcache.configure() starts a new engine");
 }
 
+void Engine::resolve_once(c10::Device d, std::vector<c10::Device>* seen) {
+  if (std::find(seen->begin(), seen->end(), d) != seen->end()) return;
+  backend_->resolve_device(d);
+  seen->push_back(d);
+}
+
 bool Engine::is_arena_tensor(const at::Tensor& t) const {
   HostBlock* hb = host_block_of(t);
   return hb != nullptr && hb->engine == this && hb->pinned();

@@ -171,6 +171,9 @@ class Engine {
   std::unique_lock<std::mutex> lock();  // mu_, with contention counted
   // Raises the first error a copy-stream or I/O task threw (sticky).
   void check_streams();
+  // backend_->resolve_device(d) once per distinct device of a call (`seen`
+  // holds those checked): it costs a device guard and a capture query.
+  void resolve_once(c10::Device d, std::vector<c10::Device>* seen);
   // The last event queried in a call: the values of one block share one.
   struct QueryMemo {
     const Event* event = nullptr;

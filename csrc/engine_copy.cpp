@@ -67,19 +67,15 @@ EventPtr Engine::copy_into(const std::vector<at::Tensor>& dsts, const std::vecto
     c10::Device stream_device;
     std::vector<CopyOp> ops;
     std::vector<EventPtr> deps;
-    std::vector<at::Tensor> keepalive;
     std::vector<HostBlock*> read, written;
     c10::Device consumer;
-    std::vector<c10::Device> ordered;  // GPUs whose current stream the group follows
-    std::vector<at::Tensor> srcs, dsts;
+    std::vector<c10::Device> ordered;    // GPUs whose current stream the group follows
+    std::vector<at::Tensor> srcs, dsts;  // kept alive until the copies complete
   };
   std::vector<Group> groups;
-  std::vector<c10::Device> resolved;  // each distinct device checked once per call
+  std::vector<c10::Device> resolved;
   auto resolve = [&](c10::Device d) {
-    if (std::find(resolved.begin(), resolved.end(), d) == resolved.end()) {
-      backend_->resolve_device(d);
-      resolved.push_back(d);
-    }
+    resolve_once(d, &resolved);
     return d;
   };
   for (size_t i = 0; i < dsts.size(); ++i) {
@@ -123,7 +119,7 @@ EventPtr Engine::copy_into(const std::vector<at::Tensor>& dsts, const std::vecto
     auto g = std::find_if(groups.begin(), groups.end(),
                           [&](const Group& x) { return x.dir == dir && x.stream_device == sdev; });
     if (g == groups.end()) {
-      groups.push_back(Group{dir, sdev, {}, {}, {}, {}, {}, to, {}});
+      groups.push_back(Group{dir, sdev, {}, {}, {}, {}, to, {}, {}, {}});
       g = groups.end() - 1;
     }
     // Each source's producer -> copy, and each destination's queued readers ->
@@ -135,8 +131,6 @@ EventPtr Engine::copy_into(const std::vector<at::Tensor>& dsts, const std::vecto
       g->deps.push_back(backend_->record_current(dev));
     }
     g->ops.push_back(CopyOp{d->ptr, s->ptr, s->run, s->rows, d->pitch, s->pitch});
-    g->keepalive.push_back(src);
-    g->keepalive.push_back(dst);
     g->srcs.push_back(src);
     g->dsts.push_back(dst);
     if (src_block) g->read.push_back(src_block);
@@ -148,13 +142,12 @@ EventPtr Engine::copy_into(const std::vector<at::Tensor>& dsts, const std::vecto
       auto l = lock();
       // A copy still writing a device source or destination, and (for a
       // destination) D2H copies still reading it.
-      for (const auto& t : g.keepalive) {
-        if (!t.device().is_cpu()) {
+      for (const auto* side : {&g.srcs, &g.dsts}) {
+        for (const auto& t : *side) {
+          if (t.device().is_cpu()) continue;
           if (EventPtr e = pending_write_of(t)) g.deps.push_back(std::move(e));
+          if (side == &g.dsts) pending_reads_of(t, &g.deps);
         }
-      }
-      for (const auto& t : g.dsts) {
-        if (!t.device().is_cpu()) pending_reads_of(t, &g.deps);
       }
       // Read after write, and write after read or write, on host blocks.
       for (HostBlock* hb : g.read) {
@@ -164,8 +157,10 @@ EventPtr Engine::copy_into(const std::vector<at::Tensor>& dsts, const std::vecto
         g.deps.insert(g.deps.end(), hb->fences.begin(), hb->fences.end());
     }
     if (last) g.deps.push_back(last);
+    std::vector<at::Tensor> keepalive(g.srcs);
+    keepalive.insert(keepalive.end(), g.dsts.begin(), g.dsts.end());
     EventPtr done = issue(g.dir, backend_->copy_stream(g.dir, g.stream_device), g.deps, g.ops,
-                          std::move(g.keepalive));
+                          std::move(keepalive));
     auto l = lock();
     for (HostBlock* hb : g.read) hb->add_fence(done);
     for (HostBlock* hb : g.written) {

@@ -34,14 +34,11 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
   device = backend_->resolve_device(device);
   const size_t n = stored.size();
   std::vector<at::Tensor> out(n);
-  std::vector<c10::Device> resolved{device};  // each distinct device checked once per call
+  std::vector<c10::Device> resolved{device};
   for (const auto& t : stored) {
     TORCH_CHECK_TYPE(t.defined() && t.layout() == c10::kStrided,
                      "offcache: can only fetch dense tensors");
-    if (std::find(resolved.begin(), resolved.end(), t.device()) == resolved.end()) {
-      resolved.push_back(t.device());
-      backend_->resolve_device(t.device());
-    }
+    resolve_once(t.device(), &resolved);
   }
   // Pending writes are looked up before anything reads the values (a view
   // being made dense reads them too).

@@ -18,13 +18,10 @@ std::vector<at::Tensor> Engine::store(const std::vector<at::Tensor>& values, c10
                                       bool allow_spill) {
   check_streams();
   target = backend_->resolve_device(target);
-  std::vector<c10::Device> resolved{target};  // each distinct device checked once per call
+  std::vector<c10::Device> resolved{target};
   for (const auto& v : values) {
     check_storable(v);
-    if (std::find(resolved.begin(), resolved.end(), v.device()) == resolved.end()) {
-      resolved.push_back(v.device());
-      backend_->resolve_device(v.device());
-    }
+    resolve_once(v.device(), &resolved);
   }
   // Dedup candidates rejected under the lock die after it (see DedupTable::find).
   std::vector<at::Tensor> dropped;
