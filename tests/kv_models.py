@@ -5,6 +5,22 @@ from __future__ import annotations
 import torch
 
 
+def select_repeat_decode(model, cache, ids):
+    """Prefill `ids` (3 rows), keep rows [2, 0], decode 4 steps, repeat each row twice, decode
+    8 more: the last two rows' tokens. Drives batch_select_indices and batch_repeat_interleave."""
+    with torch.no_grad():
+        step = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        cache.batch_select_indices(torch.tensor([2, 0]))
+        step, tokens = step[[2, 0]], []
+        for i in range(12):
+            if i == 4:
+                cache.batch_repeat_interleave(2)
+                step = step.repeat_interleave(2, dim=0)
+            step = model(input_ids=step, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            tokens.append(step[-2:])
+    return torch.cat(tokens, dim=1)
+
+
 def tiny_causal_lm(kind: str, sliding_window: int = 8, seed: int = 0):
     """A random causal LM in eval mode with hidden size 32-64 and a few layers:
 

@@ -7,6 +7,7 @@ import offcache
 import offcache.kv_cache
 from offcache import _engine
 from offcache.bench.models import causal_lm
+from tests.kv_models import select_repeat_decode
 
 transformers = pytest.importorskip("transformers")
 
@@ -213,23 +214,10 @@ def test_batch_select_and_repeat_same_as_dynamic_cache(engine, kind, offload_sli
     """Fill with a prompt, select / repeat batch rows, decode on: the same tokens and K/V as DynamicCache."""
     model = tiny_model(kind)
     ids = random_ids(3, 6, seed=4)
-    outs, caches = [], []
     ours = offcache.OffloadedKVCache(config=model.config, offload_sliding=offload_sliding, compact_every=3)
-    for cache in (transformers.DynamicCache(config=model.config), ours):
-        with torch.no_grad():
-            step = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-            cache.batch_select_indices(torch.tensor([2, 0]))
-            step, tokens = step[[2, 0]], []
-            for i in range(12):
-                if i == 4:
-                    cache.batch_repeat_interleave(2)
-                    step = step.repeat_interleave(2, dim=0)
-                step = model(input_ids=step, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-                tokens.append(step[-2:])
-        outs.append(torch.cat(tokens, dim=1))
-        caches.append(cache)
-    assert torch.equal(outs[1], outs[0])
-    assert_same_layers(caches[1], caches[0])
+    ref = transformers.DynamicCache(config=model.config)
+    assert torch.equal(select_repeat_decode(model, ours, ids), select_repeat_decode(model, ref, ids))
+    assert_same_layers(ours, ref)
 
 
 @pytest.mark.parametrize("engine", ["host"], indirect=True)

@@ -8,6 +8,7 @@ import offcache.static_kv_cache
 from offcache import _engine
 from offcache.bench.models import causal_lm
 from offcache.static_kv_cache import OffloadedStaticKVCache
+from tests.kv_models import select_repeat_decode
 
 transformers = pytest.importorskip("transformers")
 
@@ -360,28 +361,15 @@ def test_batch_select_and_repeat_same_tokens_as_dynamic_cache(engine, kind, offl
     """Fill with a prompt, select / repeat batch rows, decode on: DynamicCache's tokens and K/V."""
     model = tiny_model(kind)
     ids = random_ids(3, 6, seed=4)
-    outs, caches = [], []
     ours = OffloadedStaticKVCache(config=model.config, max_cache_len=24, offload_sliding=offload_sliding)
-    for cache in (transformers.DynamicCache(config=model.config), ours):
-        with torch.no_grad():
-            step = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-            cache.batch_select_indices(torch.tensor([2, 0]))
-            step, tokens = step[[2, 0]], []
-            for i in range(12):
-                if i == 4:
-                    cache.batch_repeat_interleave(2)
-                    step = step.repeat_interleave(2, dim=0)
-                step = model(input_ids=step, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-                tokens.append(step[-2:])
-        outs.append(torch.cat(tokens, dim=1))
-        caches.append(cache)
-    assert torch.equal(outs[1], outs[0])
+    ref = transformers.DynamicCache(config=model.config)
+    assert torch.equal(select_repeat_decode(model, ours, ids), select_repeat_decode(model, ref, ids))
     assert ours.batch_size == 4
     if ours._offloaded_idx:  # device buffers of the batch size in use only: 2 layers' worth
         layer = ours.layers[ours._offloaded_idx[0]]
         assert ours.device_buffer_bytes() == 2 * 2 * layer._host_k.numel() * layer._host_k.element_size()
     if kind == "llama":
-        assert_same_layers(caches[1], caches[0], exact=False)
+        assert_same_layers(ours, ref, exact=False)
 
 
 def fill(model, cache, prompt):
