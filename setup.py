@@ -59,6 +59,7 @@ ENGINE = [
     "csrc/engine_copy.cpp",
     "csrc/engine_disk.cpp",
     "csrc/engine_fetch.cpp",
+    "csrc/engine_file.cpp",
     "csrc/engine_store.cpp",
     "csrc/host_block.cpp",
     "csrc/bindings.cpp",

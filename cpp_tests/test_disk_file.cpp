@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -125,6 +126,49 @@ TEST(DiskSource, ArenaOverDiskChunks) {
   EXPECT_EQ(source.locate(b->ptr).offset % kDiskAlign, 0);
   arena.free(*a);
   arena.free(*b);
+}
+
+// The checkpoint reader: any regular file, reads past its end allowed up to
+// `need`, and clear errors.
+TEST(ReadOnlyFile, ReadsAlignedPiecesPastTheEndUpToWhatIsNeeded) {
+  TempDir dir;
+  const std::string path = dir.path + "/weights.bin";
+  const size_t n = 3 * kDiskAlign + 100;  // not a multiple of the alignment
+  std::vector<char> data(n);
+  for (size_t i = 0; i < n; ++i) data[i] = static_cast<char>(i * 7 + 1);
+  FILE* f = std::fopen(path.c_str(), "wb");
+  ASSERT_NE(f, nullptr);
+  ASSERT_EQ(std::fwrite(data.data(), 1, n, f), n);
+  std::fclose(f);
+  std::string why;
+  auto file = ReadOnlyFile::open(path, &why);
+  ASSERT_NE(file, nullptr) << why;
+  EXPECT_EQ(file->size, n);
+  void* aligned = nullptr;
+  ASSERT_EQ(posix_memalign(&aligned, kDiskAlign, 4 * kDiskAlign), 0);
+  auto* buf = static_cast<char*>(aligned);
+  // The last aligned piece: 4096 bytes asked, 100 + 4096 there past offset 2 * 4096.
+  ASSERT_TRUE(
+      disk_read(file->at(2 * kDiskAlign), buf, 2 * kDiskAlign, &why, nullptr, kDiskAlign + 100))
+      << why;
+  EXPECT_EQ(std::memcmp(buf, data.data() + 2 * kDiskAlign, kDiskAlign + 100), 0);
+  // More needed than the file holds: an error naming the end of file, not a short read.
+  EXPECT_FALSE(
+      disk_read(file->at(2 * kDiskAlign), buf, 2 * kDiskAlign, &why, nullptr, kDiskAlign + 101));
+  EXPECT_NE(why.find("unexpected end of file"), std::string::npos) << why;
+  free(aligned);
+  file.reset();
+  unlink(path.c_str());
+}
+
+TEST(ReadOnlyFile, MissingFilesAndFoldersAreClearErrors) {
+  TempDir dir;
+  std::string why;
+  EXPECT_EQ(ReadOnlyFile::open(dir.path + "/missing.safetensors", &why), nullptr);
+  EXPECT_NE(why.find(dir.path + "/missing.safetensors"), std::string::npos) << why;
+  EXPECT_NE(why.find("No such file"), std::string::npos) << why;
+  EXPECT_EQ(ReadOnlyFile::open(dir.path, &why), nullptr);
+  EXPECT_NE(why.find("not a regular file"), std::string::npos) << why;
 }
 
 }  // namespace

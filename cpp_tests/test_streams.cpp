@@ -159,5 +159,51 @@ TEST(HostStream, WaitOnAFailingEventCompletesLaterEvents) {
   EXPECT_EQ(s.error(), "event wait failed");
 }
 
+// Copies issued by the I/O thread once their reads are done: the chained event
+// follows them, and says so when they were never issued.
+TEST(ChainedEvent, CompletesAfterTheWorkItsIssuerHandsOver) {
+  HostStream io, copies;
+  std::atomic<bool> gate{false};
+  std::atomic<int> copied{0};
+  auto chained = std::make_shared<ChainedEvent>();
+  io.submit([&] {
+    while (!gate.load()) std::this_thread::yield();  // a slow read
+    copies.submit([&] { ++copied; });
+    chained->set(copies.record());
+  });
+  chained->issued_by(io.record());
+  EXPECT_FALSE(chained->query());
+  EXPECT_FALSE(chained->issued());
+  gate = true;
+  chained->wait();
+  EXPECT_TRUE(chained->query());
+  EXPECT_EQ(copied.load(), 1);
+}
+
+TEST(ChainedEvent, WaitRaisesTheReasonWhenNothingWasIssued) {
+  HostStream io;
+  auto chained = std::make_shared<ChainedEvent>();
+  io.submit([chained] {
+    chained->fail("reading /x: unexpected end of file");
+    throw std::runtime_error("reading /x: unexpected end of file");
+  });
+  io.submit([chained] { chained->set(HostEvent::completed()); });  // skipped: the stream failed
+  chained->issued_by(io.record());
+  io.synchronize();
+  EXPECT_TRUE(chained->query());  // complete, so nothing waits forever on it
+  chained->wait();                // the engine's own waits return
+  try {
+    chained->wait_current(-1);
+    FAIL() << "wait() returned for copies that were never issued";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("unexpected end of file"), std::string::npos) << e.what();
+  }
+  // A later chain on the failed stream is skipped too: it still completes, and still raises.
+  auto later = std::make_shared<ChainedEvent>();
+  io.submit([later] { later->set(HostEvent::completed()); });
+  later->issued_by(io.record());
+  EXPECT_THROW(later->wait_current(-1), std::runtime_error);
+}
+
 }  // namespace
 }  // namespace offcache

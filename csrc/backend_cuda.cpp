@@ -321,6 +321,12 @@ class CudaBackend : public Backend {
 
   void current_wait(c10::Device device, const EventPtr& event) override {
     if (event == nullptr) return;
+    if (auto* chained = dynamic_cast<ChainedEvent*>(event.get()); chained && device.is_cuda()) {
+      // Copies the I/O thread issues: the host waits only until they are issued.
+      if (!chained->issued()) ++counters.syncs;
+      chained->wait_current(device.index());
+      return;
+    }
     if (device.is_cpu() || !as_cuda(event)) {
       if (!event->query()) sync(event);
       return;

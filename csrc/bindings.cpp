@@ -23,6 +23,11 @@ struct Ticket {
     if (event) event->wait_current(device);
   }
   bool query() const { return event == nullptr || event->query(); }
+  // False while a fetch_file's copies wait for their reads: wait() would block the host.
+  bool issued() const {
+    auto* chained = dynamic_cast<offcache::ChainedEvent*>(event.get());
+    return chained == nullptr || chained->issued();
+  }
 };
 
 Ticket ticket_for(EventPtr event, const c10::Device& device) {
@@ -93,6 +98,10 @@ py::dict stats_dict() {
   OFFCACHE_FIELD(disk_fallbacks);
   OFFCACHE_FIELD(bounce_reserved_bytes);
   OFFCACHE_FIELD(bounce_pageable);
+  OFFCACHE_FIELD(file_fetches);
+  OFFCACHE_FIELD(file_read_bytes);
+  OFFCACHE_FIELD(file_buffered_reads);
+  OFFCACHE_FIELD(file_read_seconds);
 #undef OFFCACHE_FIELD
   d["pinned"] = pinned;
   d["retired_engines"] = retired.first;
@@ -110,7 +119,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Ticket>(m, "Ticket")
       .def("wait", &Ticket::wait, py::call_guard<py::gil_scoped_release>(),
            "Make the consumer's current stream wait for the fetch's copies.")
-      .def("query", &Ticket::query, py::call_guard<py::gil_scoped_release>());
+      .def("query", &Ticket::query, py::call_guard<py::gil_scoped_release>())
+      .def("issued", &Ticket::issued,
+           "False while a fetch_file's copies still wait for their reads (wait() blocks then).");
 
   m.def(
       "store",
@@ -132,6 +143,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("stored"), py::arg("device"), py::arg("wait") = true,
       py::call_guard<py::gil_scoped_release>(),
       "Copy stored tensors to `device`. Returns (tensors, ticket).");
+  m.def(
+      "fetch_file",
+      [](const std::string& path, const std::vector<int64_t>& offsets,
+         const std::vector<at::Tensor>& likes, c10::Device device, bool wait) {
+        offcache::EngineUse use;  // held for the whole call
+        auto& engine = *use;
+        device = engine.backend().resolve_device(device);
+        auto f = engine.fetch_file(path, offsets, likes, device, wait);
+        return std::make_pair(std::move(f.tensors), ticket_for(std::move(f.done), device));
+      },
+      py::arg("path"), py::arg("offsets"), py::arg("likes"), py::arg("device"),
+      py::arg("wait") = true, py::call_guard<py::gil_scoped_release>(),
+      "Read tensors (likes[i]'s dtype and shape) from byte offsets of a file onto `device`. "
+      "Returns (tensors, ticket).");
   m.def(
       "copy_into",
       [](const std::vector<at::Tensor>& dsts, const std::vector<at::Tensor>& srcs, bool wait) {

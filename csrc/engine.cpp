@@ -23,12 +23,13 @@ Engine::Engine(std::unique_ptr<Backend> backend, ArenaOptions arena, size_t max_
     options.min_chunk = kDiskMinChunk;
     options.alignment = kDiskAlign;
     disk_arena_ = std::make_unique<Arena>(*disk_, options);
-    ArenaOptions bounce;
-    bounce.min_chunk = bounce.max_chunk = kBounceChunkBytes;
-    bounce.limit = kBounceArenaBytes;
-    bounce.alignment = kDiskAlign;
-    bounce_arena_ = std::make_unique<Arena>(backend_->chunks(), bounce);
   }
+  // The disk tier's and fetch_file's I/O buffers; its chunks are made on first use.
+  ArenaOptions bounce;
+  bounce.min_chunk = bounce.max_chunk = kBounceChunkBytes;
+  bounce.limit = kBounceArenaBytes;
+  bounce.alignment = kDiskAlign;
+  bounce_arena_ = std::make_unique<Arena>(backend_->chunks(), bounce);
 }
 
 Engine::~Engine() {
@@ -503,7 +504,7 @@ size_t Engine::empty_cache() {
   auto l = lock();
   // The disk tier's empty files and pooled I/O buffers go too (not counted: not pinned).
   if (disk_arena_) disk_arena_->release_empty_chunks();
-  if (bounce_arena_) bounce_arena_->release_empty_chunks();
+  bounce_arena_->release_empty_chunks();
   for (const Block& b : bounce_pool_) pageable_.release(b.ptr, b.size);
   bounce_pool_.clear();
   bounce_pool_bytes_ = 0;
@@ -536,13 +537,16 @@ EngineStats Engine::stats() {
     s.disk_bytes = disk_arena_->in_use_bytes();
     s.disk_reserved_bytes = disk_arena_->reserved_bytes();
     s.disk_files = disk_->files();
-    s.bounce_reserved_bytes = bounce_arena_->reserved_bytes();
   }
+  s.bounce_reserved_bytes = bounce_arena_->reserved_bytes();
   s.disk_write_bytes = disk_write_bytes_.load();
   s.disk_read_bytes = disk_read_bytes_.load();
   s.disk_write_seconds = static_cast<double>(disk_write_ns_.load()) * 1e-9;
   s.disk_read_seconds = static_cast<double>(disk_read_ns_.load()) * 1e-9;
   s.disk_fallbacks = disk_fallbacks_.load();
+  s.file_read_bytes = file_read_bytes_.load();
+  s.file_buffered_reads = file_buffered_reads_.load();
+  s.file_read_seconds = static_cast<double>(file_read_ns_.load()) * 1e-9;
   l.unlock();
   return s;
 }

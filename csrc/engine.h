@@ -62,6 +62,9 @@ struct EngineStats {
   size_t bounce_reserved_bytes = 0;  // the disk tier's pinned I/O buffers, outside the budget
   size_t bounce_pageable = 0;        // I/O buffers that did not fit them: pageable
   double disk_write_seconds = 0, disk_read_seconds = 0;
+  // fetch_file: calls, bytes read from files, pieces read without O_DIRECT, read time.
+  size_t file_fetches = 0, file_read_bytes = 0, file_buffered_reads = 0;
+  double file_read_seconds = 0;
 };
 
 // A store would take host memory (pinned + pageable) past the host limit and
@@ -103,6 +106,16 @@ class Engine {
     EventPtr done;
   };
   Fetched fetch(const std::vector<at::Tensor>& stored, c10::Device device, bool wait);
+  // Tensors read from byte ranges of the file at `path` onto `device`:
+  // tensor i has likes[i]'s dtype and shape (likes may be meta tensors), is
+  // contiguous, and holds the file's bytes [offsets[i], offsets[i] + nbytes).
+  // The I/O thread reads the file kDiskPiece at a time (O_DIRECT where the
+  // file system allows it) into bounce buffers (pinned on CUDA) and issues each
+  // piece's copies itself: the calling thread never waits for the disk, and
+  // each piece's copy overlaps the next piece's read. The file's bytes must not
+  // change until `done`. wait: as fetch's.
+  Fetched fetch_file(const std::string& path, const std::vector<int64_t>& offsets,
+                     const std::vector<at::Tensor>& likes, c10::Device device, bool wait);
   // Copies srcs[i] into the existing dsts[i] (same dtype and shape) on the
   // copy streams. One side is offcache host memory or a device, the other a
   // device or offcache host memory; each side must be rows of contiguous
@@ -204,6 +217,8 @@ class Engine {
   // Queues reads of [src, src + bytes) of a disk block into `*dst`, in pieces;
   // returns one event per kDiskPiece, in order.
   std::vector<EventPtr> read_from_disk(const char* src, size_t bytes, char* dst);
+  // The I/O thread, started on first use (takes mu_; the thread is made without it).
+  HostStream& io_stream();
   void free_block(const Block& block);  // needs mu_
   void reclaim_locked();
   // Issues one batch of copies on `stream` after `deps`, then `split` (fetch's
@@ -255,7 +270,7 @@ class Engine {
   DiskOptions disk_options_;
   std::unique_ptr<DiskSource> disk_;
   std::unique_ptr<Arena> disk_arena_;
-  std::unique_ptr<Arena> bounce_arena_;  // disk I/O buffers, outside the pinned budget
+  std::unique_ptr<Arena> bounce_arena_;  // disk and file I/O buffers, outside the pinned budget
   bool disk_warned_ = false;
   // Pageable disk I/O buffers kept for reuse, up to kBouncePoolBytes (few: a linear search).
   std::vector<Block> bounce_pool_;
@@ -263,9 +278,11 @@ class Engine {
   std::atomic<size_t> disk_write_bytes_{0}, disk_read_bytes_{0};
   std::atomic<int64_t> disk_write_ns_{0}, disk_read_ns_{0};
   std::atomic<size_t> disk_fallbacks_{0};  // aligned I/O that O_DIRECT refused: buffered instead
+  std::atomic<size_t> file_read_bytes_{0}, file_buffered_reads_{0};  // fetch_file's reads
+  std::atomic<int64_t> file_read_ns_{0};
   std::atomic<size_t> lock_waits_over_1ms_{0};
   // The I/O thread: never holds mu_ or the GIL while waiting; made with the
-  // first disk block. Last: stopped first.
+  // first disk block or file fetch. Last: stopped first.
   std::unique_ptr<HostStream> io_;
 };
 

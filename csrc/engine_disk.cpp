@@ -30,7 +30,6 @@ std::optional<Block> Engine::allocate_disk(size_t bytes) {
   for (;;) {
     size_t chunk = 0;
     std::string why;
-    std::unique_ptr<HostStream> io;
     {
       auto l = lock();
       reclaim_locked();
@@ -39,13 +38,10 @@ std::optional<Block> Engine::allocate_disk(size_t bytes) {
           disk_options_.host_limit) {
         return std::nullopt;
       }
-      if (!io_) {
-        // The I/O thread starts with the first disk block, made unlocked (a
-        // stream registers for fork handling, which takes its lock before ours).
+      if (!io_) {  // the I/O thread starts with the first disk block
         l.unlock();
-        io = std::make_unique<HostStream>();
-        l.lock();
-        if (!io_) io_ = std::move(io);  // set once; later uses follow a lock() that saw it
+        io_stream();
+        continue;
       }
       block = disk_arena_->allocate_existing(bytes);
       if (block) {
@@ -75,6 +71,20 @@ std::optional<Block> Engine::allocate_disk(size_t bytes) {
                 ". Values stored earlier are intact; free disk space, choose another "
                 "OFFCACHE_DISK_DIR or raise OFFCACHE_HOST_LIMIT");
   }
+}
+
+HostStream& Engine::io_stream() {
+  {
+    auto l = lock();
+    if (io_) return *io_;
+  }
+  // Made unlocked: a stream registers for fork handling, which takes its lock before ours.
+  auto io = std::make_unique<HostStream>();
+  {
+    auto l = lock();
+    if (!io_) io_ = std::move(io);  // set once; later uses follow a lock() that saw it
+  }
+  return *io_;  // a stream that lost the race is destroyed here, unlocked
 }
 
 Block Engine::allocate_bounce(size_t bytes, char** aligned) {

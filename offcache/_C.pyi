@@ -56,6 +56,16 @@ class _Stats(TypedDict):
     disk_write_seconds: float
     disk_read_seconds: float
     disk_fallbacks: int
+    snapshot_oom_skips: int
+    chunk_bytes: int
+    chunk_seconds: float
+    event_queries: int
+    bounce_reserved_bytes: int
+    bounce_pageable: int
+    file_fetches: int
+    file_read_bytes: int
+    file_buffered_reads: int
+    file_read_seconds: float
     pinned: bool
     retired_engines: int
     retired_reserved_bytes: int
@@ -69,7 +79,7 @@ class _TraceRow(TypedDict):
     end_ms: float
 
 class Ticket:
-    """A copy's completion. Made by ``fetch`` and ``copy_into`` only (no constructor)."""
+    """A copy's completion. Made by ``fetch``, ``fetch_file`` and ``copy_into`` only (no constructor)."""
 
     def wait(self) -> None:
         """Make the consumer's current stream (the calling thread, for the CPU) wait for the copies."""
@@ -77,11 +87,19 @@ class Ticket:
     def query(self) -> bool:
         """True once the fetch's copies have completed."""
 
+    def issued(self) -> bool:
+        """False while a ``fetch_file``'s copies still wait for their reads (``wait()`` blocks the host then)."""
+
 def store(values: Sequence[torch.Tensor], device: torch.device, allow_spill: bool = True) -> list[torch.Tensor]:
     """Snapshot tensors and copy them to `device` (CPU: the pinned arena). Returns the copies in order."""
 
 def fetch(stored: Sequence[torch.Tensor], device: torch.device, wait: bool = True) -> tuple[list[torch.Tensor], Ticket]:
     """Copy stored tensors to `device`. Returns (tensors, ticket)."""
+
+def fetch_file(
+    path: str, offsets: Sequence[int], likes: Sequence[torch.Tensor], device: torch.device, wait: bool = True
+) -> tuple[list[torch.Tensor], Ticket]:
+    """Read tensors (likes[i]'s dtype and shape) from byte offsets of a file onto `device`: (tensors, ticket)."""
 
 def copy_into(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], wait: bool = False) -> Ticket:
     """Copy srcs[i] into the existing dsts[i] on the copy streams. Returns a ticket."""

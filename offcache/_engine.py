@@ -564,6 +564,25 @@ def fetch(stored: Sequence[Tensor], device: torch.device, wait: bool = True) -> 
     return _C.fetch(list(stored), device, wait)
 
 
+def fetch_file(
+    path: str | os.PathLike,
+    items: Sequence[tuple[int, Sequence[int], torch.dtype]],
+    device: torch.device,
+    wait: bool = True,
+) -> tuple[list[Tensor], Ticket]:
+    """Tensors read from a file straight onto `device`: items[i] = (byte offset, shape, dtype).
+
+    Tensor i is contiguous and holds the file's bytes [offset, offset + nbytes), as safetensors
+    lays a tensor out. The engine's I/O thread reads the file in 8 MiB pieces (O_DIRECT where
+    the file system allows it) into bounce buffers (pinned on CUDA) and issues each piece's
+    copy as soon as it is read, so the calling thread does not wait for the disk and copies
+    overlap reads. The file must not change until the ticket completes. wait: as ``fetch``'s;
+    ``ticket.wait()`` raises if a read failed (the path and the reason).
+    """
+    likes = [torch.empty(tuple(shape), dtype=dtype, device="meta") for _, shape, dtype in items]
+    return _C.fetch_file(os.fspath(path), [int(offset) for offset, _, _ in items], likes, device, wait)
+
+
 def copy_into(dsts: Sequence[Tensor], srcs: Sequence[Tensor], wait: bool = False) -> Ticket:
     """Copy srcs[i] into the existing tensor dsts[i] (same shape and dtype) on the engine's copy streams.
 

@@ -13,9 +13,11 @@
   (the consumer's stream waits on an event, the host does not), ``update_offload`` an
   asynchronous copy back into the same arena block. Everything else (``__getitem__``,
   ``keep_onloaded_values``, the ``disable_*`` contexts, ``__delitem__``) is the base class's.
-- ``OffcacheDiskCache`` is ``DiskCache`` with its onload reading the safetensors file through
-  a mapping and the engine's fetch (so that it can be prefetched); its index, symlinks and
-  update files are DiskCache's.
+- ``OffcacheDiskCache`` is ``DiskCache`` with its onload reading the checkpoint's safetensors
+  file through the engine (``fetch_file``: O_DIRECT pieces into pinned bounce buffers, each
+  piece's H2D copy issued by the engine's I/O thread as soon as it is read, so it can be
+  prefetched and never blocks the caller on the disk); its index, symlinks and update files
+  are DiskCache's.
 - The sequential pipeline's subgraphs are learnt by wrapping ``trace_subgraphs``: after the
   first forward of subgraph *i*, the weights of subgraphs *i+1 .. i+k* are fetched on the
   engine's stream (``OFFCACHE_WEIGHT_PREFETCH``, default k=1; 0 turns prefetch off). An
@@ -138,7 +140,7 @@ def _wait(ticket, device: torch.device) -> None:
     """
     if ticket.query():
         ticket.wait()
-    elif device.type == "cpu":
+    elif device.type == "cpu" or not ticket.issued():  # the host blocks (on a GPU: for a disk read)
         t0 = time.perf_counter()
         ticket.wait()
         COUNTERS["weight_host_waits"] += 1
@@ -241,12 +243,8 @@ def _onload(cache, offloaded: Tensor | None) -> Tensor | None:
     if current is not None:
         current.misses += 1
         current.onloaded_bytes += nbytes
-    source = cache._source(offloaded)
-    (fetched,), ticket = _engine.fetch([source], device, wait=False)
-    cache._reading(offloaded, ticket)
+    ((fetched, ticket),) = cache._fetch([offloaded], device)
     _wait(ticket, device)
-    if fetched is source:  # a CPU tensor offcache does not own, onloaded to the CPU: not copied
-        fetched = source.clone()
     return cache._finish(fetched, offloaded)
 
 
@@ -278,14 +276,17 @@ class OffcacheCPUCache(CPUCache):
         """A copy of `offloaded` on the onload device: the prefetched one if there is one."""
         return _onload(self, offloaded)
 
-    def _source(self, offloaded: Tensor) -> Tensor:
-        return offloaded
+    def _fetch(self, offloaded: list[Tensor], device: torch.device) -> list[tuple[Tensor, Any]]:
+        """One engine fetch of `offloaded` to `device`: (copy, ticket) each, not waited for.
+
+        The arena blocks' own fences order later write-backs after these reads.
+        """
+        fetched, ticket = _engine.fetch(offloaded, device, wait=False)
+        # A CPU tensor offcache does not own, onloaded to the CPU, comes back as is: copy it.
+        return [(f.clone() if f is o else f, ticket) for f, o in zip(fetched, offloaded)]
 
     def _finish(self, fetched: Tensor, offloaded: Tensor) -> Tensor:
         return _like(fetched, offloaded, onloaded=True)
-
-    def _reading(self, offloaded: Tensor, ticket) -> None:
-        pass  # the arena block's own fences order later writes after this read
 
     @torch.no_grad()
     def update_offload(self, offloaded: Tensor, data: Tensor | None) -> None:
@@ -339,81 +340,107 @@ class OffcacheCPUCache(CPUCache):
 _ST_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "C64": torch.complex64,
 }  # fmt: skip
-_MAPS: OrderedDict[tuple, tuple[Tensor, dict, int]] = OrderedDict()  # file identity -> mapping, header
-_MAX_MAPS = 256
-_READS: dict[str, Any] = {}  # real file path -> the ticket of the last fetch that read its mapping
+_HEADERS: OrderedDict[tuple, tuple[dict, int]] = OrderedDict()  # file identity -> header, data offset
+_MAX_HEADERS = 1024
+_READS: dict[str, Any] = {}  # real file path -> the ticket of the last fetch that read it
 
 
-def _mapped(path: str) -> tuple[Tensor, dict, int]:
-    """A safetensors file mapped read-only (private, lazily paged), its header and data offset.
+class _Ready:
+    """The ticket of a tensor read without the engine: complete."""
 
-    Keyed by the real file's identity (inode, size, mtime): a file DiskCache rewrites, or a
-    symlink it replaces by a file, maps afresh.
+    @staticmethod
+    def query() -> bool:
+        return True
+
+    @staticmethod
+    def issued() -> bool:
+        return True
+
+    @staticmethod
+    def wait() -> None:
+        pass
+
+
+def _header(real: str) -> tuple[dict, int]:
+    """A safetensors file's header and the offset of its data, parsed once per file version.
+
+    Keyed by the file's identity (inode, size, mtime): a file DiskCache rewrites, or a symlink
+    it replaces by a file, is parsed afresh.
     """
-    real = os.path.realpath(path)
     st = os.stat(real)
     key = (real, st.st_ino, st.st_size, st.st_mtime_ns)
-    hit = _MAPS.get(key)
+    hit = _HEADERS.get(key)
     if hit is not None:
-        _MAPS.move_to_end(key)
+        _HEADERS.move_to_end(key)
         return hit
     with open(real, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
-    data = torch.from_file(real, shared=False, size=st.st_size, dtype=torch.uint8)
-    _MAPS[key] = hit = (data, header, 8 + n)
-    while len(_MAPS) > _MAX_MAPS:
-        _MAPS.popitem(last=False)
+    _HEADERS[key] = hit = (header, 8 + n)
+    while len(_HEADERS) > _MAX_HEADERS:
+        _HEADERS.popitem(last=False)
     return hit
 
 
 def _forget(path: str) -> None:
     real = os.path.realpath(path)
-    for key in [k for k in _MAPS if k[0] == real]:
-        del _MAPS[key]
+    for key in [k for k in _HEADERS if k[0] == real]:
+        del _HEADERS[key]
 
 
-def _file_tensor(path: str, name: str) -> Tensor:
-    """Tensor `name` of a safetensors file, as a CPU view of the file's mapping (nothing read yet)."""
-    data, header, start = _mapped(path)
-    entry = header[name]
-    dtype = _ST_DTYPES[entry["dtype"]]
-    begin, end = entry["data_offsets"]
-    raw = data[start + begin : start + end]
-    if (start + begin) % dtype.itemsize:  # unaligned for a view: copy the bytes out
-        raw = raw.clone()
-    return raw.view(dtype).reshape(entry["shape"])
+def _locate(real: str, name: str) -> tuple[int, list[int], torch.dtype] | None:
+    """Tensor `name` of a safetensors file as (byte offset, shape, dtype); None for a dtype
+    offcache does not read itself (DiskCache's reader takes those)."""
+    header, start = _header(real)
+    entry = header.get(name)
+    if entry is None:
+        raise KeyError(f"offcache: {real} has no tensor {name!r} (DiskCache.index names it)")
+    dtype = _ST_DTYPES.get(entry["dtype"])
+    if dtype is None:
+        return None
+    return start + entry["data_offsets"][0], entry["shape"], dtype
 
 
 class OffcacheDiskCache(DiskCache):
     """compressed-tensors' ``DiskCache``, its onload reading the checkpoint's file through the engine.
 
     The offloaded meta tensors, ``DiskCache.index``, the checkpoint symlinks and the files an
-    update writes are compressed-tensors' own (other code reads them). An onload maps the
-    safetensors file (never copied) and fetches the tensor's bytes with the engine, so that a
-    prefetch can read the next subgraph's weights ahead. Updates write files as DiskCache does;
-    a prefetched copy of an updated weight is dropped.
-
-    Not asynchronous yet: a fetch from a mapped (pageable) file is a copy the calling thread
-    issues and, on CUDA, waits for (page faults read the file). Overlapping the read with compute
-    needs the engine to read file ranges itself (O_DIRECT pieces into pinned staging, each
-    piece's H2D overlapping the next read), as its disk tier does for its own files.
+    update writes are compressed-tensors' own (other code reads them). An onload reads the
+    tensor's bytes from its safetensors file with the engine's ``fetch_file`` (never copying the
+    file): the engine's I/O thread reads 8 MiB pieces (O_DIRECT where the file system allows it)
+    into pinned bounce buffers and issues each piece's copy to the device as soon as it is read.
+    The caller does not wait for the disk, so a prefetch reads the next subgraph's weights while
+    this one computes. Updates write files as DiskCache does; a prefetched copy of an updated
+    weight is dropped.
     """
 
     def onload(self, offloaded: Tensor | None) -> Tensor | None:
         return _onload(self, offloaded)
 
-    def _source(self, offloaded: Tensor) -> Tensor:
-        info = self.index[offloaded]
-        return _file_tensor(info["safetensors_file"], info["weight_name"])
-
-    def _reading(self, offloaded: Tensor, ticket) -> None:
-        _READS[os.path.realpath(self.index[offloaded]["safetensors_file"])] = ticket
+    def _fetch(self, offloaded: list[Tensor], device: torch.device) -> list[tuple[Tensor, Any]]:
+        """(copy, ticket) of each offloaded tensor, read from its file: one engine call per file."""
+        out: list[tuple[Tensor, Any] | None] = [None] * len(offloaded)
+        by_file: dict[str, list[tuple[int, tuple]]] = {}
+        for i, meta in enumerate(offloaded):
+            info = self.index[meta]
+            real = os.path.realpath(info["safetensors_file"])
+            where = _locate(real, info["weight_name"])
+            if where is None:  # a dtype offcache does not know: DiskCache reads it (blocking)
+                out[i] = (super().onload(meta), _Ready)
+            else:
+                by_file.setdefault(real, []).append((i, where))
+        for real, entries in by_file.items():
+            tensors, ticket = _engine.fetch_file(real, [where for _, where in entries], device, wait=False)
+            _READS[real] = ticket
+            for (i, _), tensor in zip(entries, tensors):
+                out[i] = (tensor, ticket)
         if len(_READS) > 1024:  # a model's worth of files: keep the reads still in flight only
             for path in [p for p, t in _READS.items() if t.query()]:
                 del _READS[path]
+        return out
 
     def _finish(self, fetched: Tensor, offloaded: Tensor) -> Tensor:
         # As DiskCache.onload: the offloaded tensor's class and attributes, then the index's dtype.
@@ -422,8 +449,8 @@ class OffcacheDiskCache(DiskCache):
 
     def update_offload(self, offloaded: Tensor, data: Tensor | None):
         _drop_prefetched(offloaded)
-        # DiskCache rewrites its own file in place (truncating it): no copy may still read a
-        # mapping of it then (a read past the new end is a SIGBUS), and none is kept.
+        # DiskCache rewrites its own file in place (truncating it): no read of it may still be
+        # in flight then (it would fail at the new end, or read the new bytes).
         path = os.path.realpath(self.index[offloaded]["safetensors_file"])
         reading = _READS.pop(path, None)
         if reading is not None and not reading.query():
@@ -462,7 +489,7 @@ def prefetch(modules, target: int) -> int:
     When the device has no room, or the fetch fails, nothing is prefetched and the skip is
     counted: a prefetch never fails a run.
     """
-    by_device: dict[torch.device, list[Tensor]] = {}
+    groups: dict[tuple[torch.device, type], list[tuple[Any, Tensor]]] = {}
     for cache, offloaded in _offloaded_of(modules):
         if id(offloaded) in _state.prefetched:
             continue
@@ -470,31 +497,24 @@ def prefetch(modules, target: int) -> int:
         # A weight this subgraph holds onloaded too (tied, shared) is fetched again, not aliased:
         # this subgraph may edit its onloaded copy in place (AWQ's grid search does, through
         # .data, which no version counter sees), and such edits die with its context.
-        try:
-            source = cache._source(offloaded)
-        except Exception as exc:  # noqa: BLE001  (an unreadable file: the onload will say why)
-            logger.debug(f"offcache weights: no prefetch of a weight: {exc}")
-            continue
-        if device.type == "cpu" and not _engine.is_offcache_tensor(source):
-            continue  # a fetch would hand back the file's mapping itself: nothing to do ahead
-        by_device.setdefault(device, []).append((cache, offloaded, source))
+        if isinstance(cache, OffcacheCPUCache) and device.type == "cpu" and not _engine.is_offcache_tensor(offloaded):
+            continue  # a fetch would hand back the tensor itself: nothing to do ahead
+        groups.setdefault((device, type(cache)), []).append((cache, offloaded))
     issued = 0
-    for device, items in by_device.items():
-        sources = [source for _, _, source in items]
-        nbytes = sum(t.nbytes for t in sources)
+    for (device, _), items in groups.items():
+        nbytes = sum(offloaded.nbytes for _, offloaded in items)
         free = _device_free_bytes(device)
         if free is not None and nbytes > free:
             COUNTERS["weight_prefetch_skips"] += 1
             logger.info(f"offcache weights: no room for a {nbytes}-byte prefetch on {device}, skipped")
             continue
         try:
-            fetched, ticket = _engine.fetch(sources, device, wait=False)
-        except Exception as exc:  # noqa: BLE001  (an OOM or anything else: the onload will fetch)
+            fetched = items[0][0]._fetch([offloaded for _, offloaded in items], device)
+        except Exception as exc:  # noqa: BLE001  (an OOM, an unreadable file: the onload will say why)
             COUNTERS["weight_prefetch_skips"] += 1
             logger.info(f"offcache weights: prefetch of {nbytes} bytes on {device} skipped: {exc}")
             continue
-        for (cache, offloaded, _), onloaded in zip(items, fetched):
-            cache._reading(offloaded, ticket)
+        for (cache, offloaded), (onloaded, ticket) in zip(items, fetched):
             copy = cache._finish(onloaded, offloaded)
             entry = _Prefetched(offloaded, copy, ticket, device, offloaded._version, target, offloaded.nbytes)
             _state.prefetched[id(offloaded)] = entry

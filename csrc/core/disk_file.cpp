@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
@@ -119,11 +120,12 @@ namespace {
 
 template <class Op>
 bool transfer(const DiskSource::Where& w, char* buf, size_t bytes, const char* what, Op op,
-              std::string* error, bool* buffered) {
+              std::string* error, bool* buffered, size_t need) {
   int fd = w.direct >= 0 && aligned(buf, bytes, w.offset) ? w.direct : w.fd;
   if (buffered) *buffered = fd != w.direct && aligned(buf, bytes, w.offset);
   size_t done = 0;
-  while (done < bytes) {
+  need = std::min(need, bytes);
+  while (done < need) {
     const ssize_t n = op(fd, buf + done, bytes - done, w.offset + static_cast<off_t>(done));
     if (n > 0) {
       done += static_cast<size_t>(n);
@@ -152,14 +154,39 @@ bool disk_write(const DiskSource::Where& w, const void* buf, size_t bytes, std::
                 bool* buffered) {
   return transfer(
       w, const_cast<char*>(static_cast<const char*>(buf)), bytes, "write",
-      [](int fd, char* p, size_t n, off_t o) { return pwrite(fd, p, n, o); }, error, buffered);
+      [](int fd, char* p, size_t n, off_t o) { return pwrite(fd, p, n, o); }, error, buffered,
+      bytes);
 }
 
 bool disk_read(const DiskSource::Where& w, void* buf, size_t bytes, std::string* error,
-               bool* buffered) {
+               bool* buffered, size_t need) {
   return transfer(
       w, static_cast<char*>(buf), bytes, "read",
-      [](int fd, char* p, size_t n, off_t o) { return pread(fd, p, n, o); }, error, buffered);
+      [](int fd, char* p, size_t n, off_t o) { return pread(fd, p, n, o); }, error, buffered, need);
+}
+
+std::shared_ptr<ReadOnlyFile> ReadOnlyFile::open(const std::string& path, std::string* error) {
+  auto f = std::make_shared<ReadOnlyFile>();
+  f->path = path;
+  f->fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  struct stat st {};
+  if (f->fd < 0 || fstat(f->fd, &st) != 0) {
+    if (error) *error = "cannot open " + path + ": " + errno_text(errno);
+    return nullptr;
+  }
+  if (!S_ISREG(st.st_mode)) {
+    if (error) *error = "cannot read " + path + ": not a regular file";
+    return nullptr;
+  }
+  f->size = static_cast<size_t>(st.st_size);
+  // Page-cache coherence is the kernel's: O_DIRECT reads see what buffered writes left.
+  f->direct = ::open(path.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+  return f;
+}
+
+ReadOnlyFile::~ReadOnlyFile() {
+  if (fd >= 0) close(fd);
+  if (direct >= 0) close(direct);
 }
 
 }  // namespace offcache

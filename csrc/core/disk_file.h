@@ -14,7 +14,9 @@
 #include <sys/types.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 
@@ -62,7 +64,26 @@ class DiskSource : public ChunkSource {
 // transfer could not use O_DIRECT.
 bool disk_write(const DiskSource::Where& w, const void* buf, size_t bytes, std::string* error,
                 bool* buffered = nullptr);
+// A read may ask for more than the file holds (an aligned length past its end):
+// it succeeds once `need` bytes (default: all of them) are in.
 bool disk_read(const DiskSource::Where& w, void* buf, size_t bytes, std::string* error,
-               bool* buffered = nullptr);
+               bool* buffered = nullptr, size_t need = SIZE_MAX);
+
+// A regular file opened for reading: buffered, and O_DIRECT where the file
+// system allows it (`direct` is -1 where it does not). Closed when the last
+// owner lets go, so queued reads keep it open.
+struct ReadOnlyFile {
+  // Null with `error` set (path, errno text) when it cannot be opened or is not a regular file.
+  static std::shared_ptr<ReadOnlyFile> open(const std::string& path, std::string* error);
+  ReadOnlyFile() = default;
+  ReadOnlyFile(const ReadOnlyFile&) = delete;
+  ReadOnlyFile& operator=(const ReadOnlyFile&) = delete;
+  ~ReadOnlyFile();
+  DiskSource::Where at(off_t offset) const { return DiskSource::Where{fd, direct, offset}; }
+
+  std::string path;
+  int fd = -1, direct = -1;
+  size_t size = 0;  // at open
+};
 
 }  // namespace offcache

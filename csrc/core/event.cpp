@@ -1,5 +1,6 @@
 #include "event.h"
 
+#include <stdexcept>
 #include <thread>
 
 namespace offcache {
@@ -39,5 +40,24 @@ double HostEvent::elapsed_ms_since(Event& start) {
   std::lock_guard<std::mutex> lock(mu_);
   return std::chrono::duration<double, std::milli>(when_ - s->when()).count();
 }
+
+const EventPtr& ChainedEvent::issued_done() {
+  issued_->wait();
+  if (!done_) {
+    throw std::runtime_error(
+        "offcache: the copies of this fetch were never issued: " +
+        (why_.empty() ? std::string("an earlier task of the engine's I/O thread failed (the next "
+                                    "engine call names it)")
+                      : why_));
+  }
+  return done_;
+}
+
+void ChainedEvent::wait() {
+  issued_->wait();
+  if (done_) done_->wait();
+}
+
+void ChainedEvent::wait_current(int device) { issued_done()->wait_current(device); }
 
 }  // namespace offcache

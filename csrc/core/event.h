@@ -8,6 +8,7 @@
 #include <condition_variable>
 #include <memory>
 #include <mutex>
+#include <string>
 
 namespace offcache {
 
@@ -45,6 +46,32 @@ class HostEvent final : public Event {
   std::chrono::steady_clock::time_point when_{};
   std::mutex mu_;
   std::condition_variable cv_;
+};
+
+// Work that a host thread (the engine's I/O thread) issues onto a stream only
+// once its inputs are ready: `issued` completes when that thread has run, or
+// skipped after an earlier failure, the issuing tasks, which hand over the
+// stream's event with set() first. Complete once both are. wait() only blocks
+// (the engine's own waits); wait_current(), the consumer's wait, raises when
+// the work was never issued, so nobody reads outputs that were not written.
+class ChainedEvent final : public Event {
+ public:
+  // Before the event is shared: the host event recorded after the issuing tasks.
+  void issued_by(std::shared_ptr<HostEvent> issued) { issued_ = std::move(issued); }
+  // On the issuing thread, before `issued` completes.
+  void set(EventPtr done) { done_ = std::move(done); }
+  void fail(std::string why) { why_ = std::move(why); }
+  bool issued() const { return issued_->query(); }
+  bool query() override { return issued_->query() && (!done_ || done_->query()); }
+  void wait() override;
+  void wait_current(int device) override;
+  double elapsed_ms_since(Event&) override { return 0.0; }
+
+ private:
+  const EventPtr& issued_done();  // waits for `issued`; raises when nothing was issued
+  std::shared_ptr<HostEvent> issued_;
+  EventPtr done_;    // written before issued_ completes, read after
+  std::string why_;  // likewise
 };
 
 }  // namespace offcache
