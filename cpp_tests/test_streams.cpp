@@ -170,6 +170,7 @@ TEST(ChainedEvent, CompletesAfterTheWorkItsIssuerHandsOver) {
     while (!gate.load()) std::this_thread::yield();  // a slow read
     copies.submit([&] { ++copied; });
     chained->set(copies.record());
+    chained->finish();
   });
   chained->issued_by(io.record());
   EXPECT_FALSE(chained->query());
@@ -180,28 +181,42 @@ TEST(ChainedEvent, CompletesAfterTheWorkItsIssuerHandsOver) {
   EXPECT_EQ(copied.load(), 1);
 }
 
-TEST(ChainedEvent, WaitRaisesTheReasonWhenNothingWasIssued) {
-  HostStream io;
+TEST(ChainedEvent, WaitRaisesTheReasonWhenNotAllWasIssued) {
+  HostStream io, copies;
+  std::atomic<bool> gate{false};
+  std::atomic<int> copied{0};
   auto chained = std::make_shared<ChainedEvent>();
+  io.submit([&, chained] {  // the first piece: its copy is issued, and slow
+    copies.submit([&] {
+      while (!gate.load()) std::this_thread::yield();
+      ++copied;
+    });
+    chained->set(copies.record());
+  });
   io.submit([chained] {
     chained->fail("reading /x: unexpected end of file");
     throw std::runtime_error("reading /x: unexpected end of file");
   });
-  io.submit([chained] { chained->set(HostEvent::completed()); });  // skipped: the stream failed
+  io.submit([chained] { chained->finish(); });  // skipped: the stream failed
   chained->issued_by(io.record());
   io.synchronize();
-  EXPECT_TRUE(chained->query());  // complete, so nothing waits forever on it
-  chained->wait();                // the engine's own waits return
+  EXPECT_TRUE(chained->issued());
+  EXPECT_FALSE(chained->query());  // the copy issued before the failure still runs
+  gate = true;
+  chained->wait();  // the engine's own waits return, after that copy
+  EXPECT_EQ(copied.load(), 1);
+  EXPECT_TRUE(chained->query());
   try {
     chained->wait_current(-1);
-    FAIL() << "wait() returned for copies that were never issued";
+    FAIL() << "wait_current() returned for copies that were not all issued";
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find("unexpected end of file"), std::string::npos) << e.what();
   }
-  // A later chain on the failed stream is skipped too: it still completes, and still raises.
+  // A later chain on the failed stream is skipped whole: it completes, and raises.
   auto later = std::make_shared<ChainedEvent>();
-  io.submit([later] { later->set(HostEvent::completed()); });
+  io.submit([later] { later->finish(); });
   later->issued_by(io.record());
+  later->wait();
   EXPECT_THROW(later->wait_current(-1), std::runtime_error);
 }
 

@@ -93,6 +93,9 @@ class Backend {
   virtual void hand_over(const at::Tensor& t, c10::Device consumer) = 0;
   // Lets `from`'s copy engine read and write `to`'s memory directly.
   virtual void enable_peer_access(c10::Device from, c10::Device to) = 0;
+  // Called on an engine I/O thread before it issues copies: it never captures a
+  // graph, so its calls must not invalidate another thread's capture (CUDA).
+  virtual void prepare_io_thread() {}
   // False in a forked child of a process whose engine cannot cross fork (CUDA).
   virtual bool in_owner_process() const { return true; }
   // Raises the fork error where in_owner_process() is false.

@@ -350,6 +350,16 @@ class CudaBackend : public Backend {
     return event;
   }
 
+  void prepare_io_thread() override {
+    thread_local bool relaxed = false;
+    if (relaxed) return;
+    // A global-mode capture on another thread forbids unsafe calls on every thread
+    // that has not relaxed its own mode.
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    OFFCACHE_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+    relaxed = true;
+  }
+
   void hand_over(const at::Tensor& t, c10::Device consumer) override {
     if (!t.is_cuda() || !t.has_storage()) return;
     c10::cuda::CUDACachingAllocator::recordStream(

@@ -40,6 +40,10 @@ Engine::~Engine() {
   } catch (const std::exception& e) {
     std::fprintf(stderr, "offcache: retiring an engine: %s\n", e.what());
   }
+  if (file_ring_) {  // every fetch_file reading it has completed (synchronize)
+    auto l = lock();
+    free_block(*file_ring_);
+  }
   for (const Block& b : bounce_pool_) pageable_.release(b.ptr, b.size);
 }
 
@@ -54,12 +58,14 @@ std::unique_lock<std::mutex> Engine::lock() {
 
 void Engine::check_streams() {
   std::string e = backend_->stream_error();
-  HostStream* io;
+  HostStream *io, *file_io;
   {
     auto l = lock();
     io = io_.get();
+    file_io = file_io_.get();
   }
   if (e.empty() && io) e = io->error();
+  if (e.empty() && file_io) e = file_io->error();
   TORCH_CHECK(e.empty(), "offcache: a copy on one of the engine's streams failed: ", e,
               ". The copies queued after it were skipped, so values stored or fetched since are "
               "incomplete; offcache.configure() starts a new engine");

@@ -217,8 +217,11 @@ class Engine {
   // Queues reads of [src, src + bytes) of a disk block into `*dst`, in pieces;
   // returns one event per kDiskPiece, in order.
   std::vector<EventPtr> read_from_disk(const char* src, size_t bytes, char* dst);
-  // The I/O thread, started on first use (takes mu_; the thread is made without it).
-  HostStream& io_stream();
+  // `slot`'s I/O thread (io_ or file_io_), started on first use (takes mu_; the
+  // thread is made without it).
+  HostStream& io_stream(std::unique_ptr<HostStream>& slot);
+  // fetch_file's bounce ring: kFileRing pieces, made on first use (takes mu_).
+  char* file_ring();
   void free_block(const Block& block);  // needs mu_
   void reclaim_locked();
   // Issues one batch of copies on `stream` after `deps`, then `split` (fetch's
@@ -281,9 +284,17 @@ class Engine {
   std::atomic<size_t> file_read_bytes_{0}, file_buffered_reads_{0};  // fetch_file's reads
   std::atomic<int64_t> file_read_ns_{0};
   std::atomic<size_t> lock_waits_over_1ms_{0};
-  // The I/O thread: never holds mu_ or the GIL while waiting; made with the
-  // first disk block or file fetch. Last: stopped first.
+  // fetch_file's ring (null until the first) and, touched by file_io_'s thread
+  // only, the next slot and the copies still reading each slot.
+  std::optional<Block> file_ring_;
+  size_t file_next_slot_ = 0;
+  std::vector<EventPtr> file_slot_reads_;
+  // The I/O threads: never hold mu_ or the GIL while waiting; made on first
+  // use. io_: the disk tier's; file_io_: fetch_file's, which waits for copies
+  // (its ring) where the disk tier's copies wait for io_: one thread would
+  // deadlock. Last: stopped first.
   std::unique_ptr<HostStream> io_;
+  std::unique_ptr<HostStream> file_io_;
 };
 
 // The process-wide engine (created on first use with the configured backend),

@@ -40,7 +40,7 @@ std::optional<Block> Engine::allocate_disk(size_t bytes) {
       }
       if (!io_) {  // the I/O thread starts with the first disk block
         l.unlock();
-        io_stream();
+        io_stream(io_);
         continue;
       }
       block = disk_arena_->allocate_existing(bytes);
@@ -73,18 +73,18 @@ std::optional<Block> Engine::allocate_disk(size_t bytes) {
   }
 }
 
-HostStream& Engine::io_stream() {
+HostStream& Engine::io_stream(std::unique_ptr<HostStream>& slot) {
   {
     auto l = lock();
-    if (io_) return *io_;
+    if (slot) return *slot;
   }
   // Made unlocked: a stream registers for fork handling, which takes its lock before ours.
   auto io = std::make_unique<HostStream>();
   {
     auto l = lock();
-    if (!io_) io_ = std::move(io);  // set once; later uses follow a lock() that saw it
+    if (!slot) slot = std::move(io);  // set once; later uses follow a lock() that saw it
   }
-  return *io_;  // a stream that lost the race is destroyed here, unlocked
+  return *slot;  // a stream that lost the race is destroyed here, unlocked
 }
 
 Block Engine::allocate_bounce(size_t bytes, char** aligned) {

@@ -1,12 +1,15 @@
 // Engine::fetch_file: tensors read from byte ranges of a file (a checkpoint's
 // safetensors shard) straight onto a device, never copying the file.
 //
-// The file is read in kDiskPiece pieces into a ring of bounce slots (pinned on
-// CUDA). The I/O thread reads a piece and then issues that piece's copies on
-// the fetch stream itself, so the calling thread never waits for the disk and
-// the copy engine copies piece k while the disk reads piece k + 1. A slot is
-// read into again only after the copies of its previous piece have completed.
-// The call returns a ChainedEvent: complete once the last piece's copies are.
+// The file is read in kDiskPiece pieces into the engine's ring of bounce slots
+// (pinned on CUDA, one for every fetch_file). Its own I/O thread reads a piece
+// and then issues that piece's copies on the fetch stream itself, so the
+// calling thread never waits for the disk and the copy engine copies piece k
+// while the disk reads piece k + 1. A slot is read into again only after the
+// copies of its previous piece have completed. The call returns a
+// ChainedEvent: complete once every copy issued for it is. A read that fails
+// fails that fetch only (ticket.wait() names the file and the reason); a copy
+// that fails is sticky, like every copy-stream error.
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -24,20 +27,43 @@ namespace {
 
 // Ranges closer than this are read as one span: one more read costs more than the gap.
 constexpr size_t kFileGap = size_t{1} << 20;
-// Bounce slots per fetch: 8 pieces of 8 MiB, one bounce chunk.
+// The ring: 8 slots of kDiskPiece, one bounce chunk, shared by every fetch_file.
 constexpr size_t kFileRing = 8;
 
 struct Range {
   size_t begin, end, index;  // file bytes [begin, end) of output `index`
 };
 
+// Bytes [at, at + bytes) of a slot, copied to `dst`.
+struct SlotCopy {
+  void* dst;
+  size_t at, bytes;
+};
+
 // One read: file bytes [offset, offset + length), aligned, of which `need` must exist.
 struct Piece {
   size_t offset, length, need;
-  std::vector<CopyOp> ops;  // filled in once the bounce slot is known
+  std::vector<SlotCopy> copies;
 };
 
 }  // namespace
+
+char* Engine::file_ring() {
+  {
+    auto l = lock();
+    if (file_ring_) return static_cast<char*>(file_ring_->ptr);
+  }
+  char* ring = nullptr;
+  Block block = allocate_bounce(kFileRing * kDiskPiece, &ring);  // made without the lock
+  auto l = lock();
+  if (file_ring_) {  // another thread's came first
+    free_block(block);
+    return static_cast<char*>(file_ring_->ptr);
+  }
+  file_ring_ = block;
+  file_slot_reads_.resize(kFileRing);
+  return ring;
+}
 
 Engine::Fetched Engine::fetch_file(const std::string& path, const std::vector<int64_t>& offsets,
                                    const std::vector<at::Tensor>& likes, c10::Device device,
@@ -46,6 +72,8 @@ Engine::Fetched Engine::fetch_file(const std::string& path, const std::vector<in
   device = backend_->resolve_device(device);
   TORCH_CHECK_VALUE(offsets.size() == likes.size(), "offcache: fetch_file got ", offsets.size(),
                     " offsets for ", likes.size(), " tensors");
+  TORCH_CHECK_VALUE(path.find('\0') == std::string::npos,
+                    "offcache: fetch_file: the path contains a NUL byte");
   std::string why;
   std::shared_ptr<ReadOnlyFile> file = ReadOnlyFile::open(path, &why);
   TORCH_CHECK(file != nullptr, "offcache: ", why);
@@ -74,7 +102,8 @@ Engine::Fetched Engine::fetch_file(const std::string& path, const std::vector<in
   });
   if (ranges.empty()) return {std::move(out), nullptr};
 
-  // Spans in file order, merged across small gaps, cut into aligned pieces.
+  // Spans in file order, merged across small gaps, cut into aligned pieces; each
+  // output's bytes are copied from every piece that holds some of them.
   std::sort(ranges.begin(), ranges.end(),
             [](const Range& a, const Range& b) { return a.begin < b.begin; });
   std::vector<Piece> pieces;
@@ -92,58 +121,71 @@ Engine::Fetched Engine::fetch_file(const std::string& path, const std::vector<in
       pieces.push_back(Piece{at, length, std::min(length, file->size - at), {}});
     }
   }
-  // Each output's bytes, copied from every piece that holds some of them.
-  size_t slot_bytes = 0;
-  for (const Piece& p : pieces) slot_bytes = std::max(slot_bytes, p.length);
-  const size_t ring = std::min(pieces.size(), kFileRing);
-  char* bounce = nullptr;
-  throttle(total, Dir::kFetch);  // bounded per direction, like fetch
-  HostStream& io = io_stream();
-  const Block bounce_block = allocate_bounce(ring * slot_bytes, &bounce);
   size_t copies = 0;
-  for (size_t k = 0; k < pieces.size(); ++k) {
-    Piece& p = pieces[k];
-    const char* slot = bounce + (k % ring) * slot_bytes;
+  for (Piece& p : pieces) {
     for (const Range& r : ranges) {
       const size_t lo = std::max(r.begin, p.offset), hi = std::min(r.end, p.offset + p.length);
       if (lo >= hi) continue;
-      p.ops.push_back(CopyOp{static_cast<char*>(out[r.index].data_ptr()) + (lo - r.begin),
-                             slot + (lo - p.offset), hi - lo});
+      p.copies.push_back(SlotCopy{static_cast<char*>(out[r.index].data_ptr()) + (lo - r.begin),
+                                  lo - p.offset, hi - lo});
     }
-    copies += p.ops.size();
+    copies += p.copies.size();
   }
 
+  throttle(total, Dir::kFetch);  // bounded per direction, like fetch
+  HostStream& io = io_stream(file_io_);
+  char* ring = file_ring();
   auto chained = std::make_shared<ChainedEvent>();
-  // Per slot, the copies still reading it; only the I/O thread touches this.
-  auto reading = std::make_shared<std::vector<EventPtr>>(ring);
-  for (size_t k = 0; k < pieces.size(); ++k) {
-    const bool last = k + 1 == pieces.size(), reused = k + ring < pieces.size();
-    char* slot = bounce + (k % ring) * slot_bytes;
-    io.submit([this, &stream, file, chained, reading, slot, last, reused, k, ring,
-               piece = std::move(pieces[k])] {
-      EventPtr& previous = (*reading)[k % ring];
-      if (previous) previous->wait();  // the slot's last copies have read it
-      const auto t0 = std::chrono::steady_clock::now();
-      std::string why;
-      bool buffered = false;
-      if (!disk_read(file->at(static_cast<off_t>(piece.offset)), slot, piece.length, &why,
-                     &buffered, piece.need)) {
-        const std::string what = "reading " + file->path + ": " + why;
-        chained->fail(what);
-        throw std::runtime_error(what);  // kept by the I/O thread: the next engine call raises it
-      }
-      file_read_bytes_ += piece.need;
-      if (buffered) ++file_buffered_reads_;
-      file_read_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(
-                           std::chrono::steady_clock::now() - t0)
-                           .count();
-      if (!piece.ops.empty()) stream.copy(piece.ops);
-      if (last) {
-        chained->set(stream.record(false));
-      } else if (reused) {  // the slot is read into again: note the copies reading it
-        previous = stream.record(false);
-      }
-    });
+  try {
+    for (size_t k = 0; k < pieces.size(); ++k) {
+      io.submit([this, &stream, file, chained, ring, last = k + 1 == pieces.size(),
+                 piece = std::move(pieces[k])] {
+        if (chained->failed()) return;  // an earlier piece of this fetch failed
+        try {
+          backend_->prepare_io_thread();
+          const size_t s = file_next_slot_++ % kFileRing;
+          char* slot = ring + s * kDiskPiece;
+          if (EventPtr& previous = file_slot_reads_[s]) {
+            previous->wait();  // the slot's last copies have read it
+            previous.reset();
+          }
+          const auto t0 = std::chrono::steady_clock::now();
+          std::string why;
+          bool buffered = false;
+          if (!disk_read(file->at(static_cast<off_t>(piece.offset)), slot, piece.length, &why,
+                         &buffered, piece.need)) {
+            chained->fail("reading " + file->path + ": " +
+                          why);  // this fetch fails, not the engine
+            return;
+          }
+          file_read_bytes_ += piece.need;
+          if (buffered) ++file_buffered_reads_;
+          file_read_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                               std::chrono::steady_clock::now() - t0)
+                               .count();
+          std::vector<CopyOp> ops;
+          for (const SlotCopy& c : piece.copies) ops.push_back(CopyOp{c.dst, slot + c.at, c.bytes});
+          try {
+            stream.copy(ops);
+          } catch (...) {
+            stream.synchronize_noexcept();  // copies queued before the failure land first
+            throw;
+          }
+          // Every piece hands its copies' event over: if a later piece fails, the chain still
+          // completes only after the copies already issued (they write the outputs).
+          EventPtr copied = stream.record(false);
+          chained->set(copied);
+          file_slot_reads_[s] = std::move(copied);
+          if (last) chained->finish();
+        } catch (const std::exception& e) {
+          chained->fail("copying " + file->path + ": " + e.what());
+          throw;  // a copy-stream failure: sticky, the next engine call raises it
+        }
+      });
+    }
+  } catch (...) {
+    io.synchronize();  // tasks already queued write `out`: they run before it dies
+    throw;
   }
   chained->issued_by(io.record());
 
@@ -161,7 +203,6 @@ Engine::Fetched Engine::fetch_file(const std::string& path, const std::vector<in
     stats_.h2d_copies += copies;
     ++stats_.fetches;
     ++stats_.file_fetches;
-    deferred_.push(bounce_block, {chained});
     note_peaks_locked();
   }
   if (!device.is_cpu()) {

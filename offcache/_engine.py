@@ -21,6 +21,7 @@ refused (a fraction is not a size), '90%' is a percentage.
 
 from __future__ import annotations
 
+import operator
 import os
 import re
 import warnings
@@ -580,7 +581,8 @@ def fetch_file(
     ``ticket.wait()`` raises if a read failed (the path and the reason).
     """
     likes = [torch.empty(tuple(shape), dtype=dtype, device="meta") for _, shape, dtype in items]
-    return _C.fetch_file(os.fspath(path), [int(offset) for offset, _, _ in items], likes, device, wait)
+    offsets = [operator.index(offset) for offset, _, _ in items]  # a float offset is a TypeError
+    return _C.fetch_file(os.fspath(path), offsets, likes, device, wait)
 
 
 def copy_into(dsts: Sequence[Tensor], srcs: Sequence[Tensor], wait: bool = False) -> Ticket:

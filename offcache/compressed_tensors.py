@@ -87,7 +87,8 @@ def prefetch_depth() -> int:
 @dataclass
 class _Prefetched:
     offloaded: Tensor  # held so that id(offloaded) stays the key's tensor
-    onloaded: Tensor
+    cache: Any  # the cache that fetched it: _finish() makes the onloaded value, after the wait
+    onloaded: Tensor  # the engine's copy, not waited for
     ticket: Any
     device: torch.device
     version: int  # offloaded._version when fetched: an in-place edit since makes it stale
@@ -197,7 +198,7 @@ def _take_prefetched(offloaded: Tensor, device: torch.device) -> Tensor | None:
     if entry.offloaded is not offloaded or entry.device != device or entry.version != offloaded._version:
         return None  # stale (edited in place since) or for another device: fetch afresh
     _wait(entry.ticket, device)
-    return entry.onloaded
+    return entry.cache._finish(entry.onloaded, offloaded)  # after the wait: _finish may read it
 
 
 def _device_free_bytes(device: torch.device) -> int | None:
@@ -515,9 +516,10 @@ def prefetch(modules, target: int) -> int:
             logger.info(f"offcache weights: prefetch of {nbytes} bytes on {device} skipped: {exc}")
             continue
         for (cache, offloaded), (onloaded, ticket) in zip(items, fetched):
-            copy = cache._finish(onloaded, offloaded)
-            entry = _Prefetched(offloaded, copy, ticket, device, offloaded._version, target, offloaded.nbytes)
-            _state.prefetched[id(offloaded)] = entry
+            # Not finished yet: _finish may read the copy (a dtype cast), which is still in flight.
+            _state.prefetched[id(offloaded)] = _Prefetched(
+                offloaded, cache, onloaded, ticket, device, offloaded._version, target, offloaded.nbytes
+            )
         COUNTERS["weight_prefetch_bytes"] += nbytes
         issued += nbytes
     return issued

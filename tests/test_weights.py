@@ -698,3 +698,73 @@ def test_gpu_prefetch_skipped_under_a_device_memory_limit():
         assert delta(before)["weight_prefetch_hits"] >= 1
     finally:
         oc_ct.unpatch()
+
+
+def _disk_offloaded_linears(n, folder, size=64):
+    torch.manual_seed(0)
+    linears = [torch.nn.Linear(size, size) for _ in range(n)]
+    plain = [torch.nn.Linear(size, size) for _ in range(n)]
+    for a, b in zip(linears, plain):
+        b.load_state_dict(a.state_dict())
+        offload_module(a, CPU, "disk", offload_dir=str(folder))
+    return linears, plain
+
+
+def test_disk_pipeline_prefetch_reads_files_through_the_engine_no_host_waits(patched, monkeypatch, tmp_path):
+    """Weights on disk: every subgraph after the first finds its weights prefetched (read from
+    their safetensors files by the engine's I/O thread), and the steady state never waits."""
+    monkeypatch.setenv("OFFCACHE_WEIGHT_PREFETCH", "1")
+    linears, plain = _disk_offloaded_linears(4, tmp_path, size=128)
+    subgraphs = oc_ct._wrap_subgraphs([FakeSubgraph(m, 0.01) for m in linears])
+    batches = [torch.randn(2, 128) for _ in range(3)]
+    before, engine_before = len(oc_ct.subgraph_stats()), offcache.stats()
+    outs = run_pipeline(subgraphs, batches)
+    for out, p in zip(outs, plain):
+        for o, x in zip(out, batches):
+            assert torch.equal(o, p(x))
+    history = oc_ct.subgraph_stats()[before:]
+    assert history[0]["misses"] == 2
+    for s in history[1:]:
+        assert s["hits"] == 2 and s["misses"] == 0 and s["host_waits"] == 0, s
+    s = offcache.stats()
+    assert s["file_fetches"] - engine_before["file_fetches"] == 4 * 2  # a file per weight, as DiskCache writes
+    assert s["file_read_bytes"] - engine_before["file_read_bytes"] >= 4 * 128 * 129 * 4
+
+
+def test_disk_update_while_a_prefetch_reads_the_file(patched, engine_config, tmp_path):
+    """DiskCache rewrites its file in place: a read of it still in flight lands first (slowed
+    copies hold it), and the next onload reads the new bytes."""
+    engine_config(backend="host", host_copy_delay_us=30_000)
+    (linear,), (plain,) = _disk_offloaded_linears(1, tmp_path, size=256)
+    assert oc_ct.prefetch([linear], target=0) == 256 * 257 * 4
+    update_offload_parameter(linear, "weight", torch.ones(256, 256))
+    with disable_offloading():
+        assert torch.equal(linear.weight, torch.ones(256, 256))
+        assert torch.equal(linear.bias, plain.bias)  # the prefetched copy of the untouched bias
+    assert not oc_ct._state.prefetched
+
+
+def test_disk_prefetch_cast_to_the_index_dtype_waits_for_the_read(patched, engine_config, tmp_path):
+    """A checkpoint tensor whose index dtype differs from the file's is cast at onload (as
+    DiskCache does): the cast of a prefetched copy must follow its read (slowed copies)."""
+    from safetensors.torch import save_file
+
+    engine_config(backend="host", host_copy_delay_us=50_000)
+    weight = torch.randn(512, 512).to(torch.bfloat16)
+    checkpoint = tmp_path / "model.safetensors"
+    save_file({"w": weight}, str(checkpoint))
+    offload_dir = tmp_path / "offload"
+    offload_dir.mkdir()
+    linear = torch.nn.Linear(512, 512, bias=False)
+    offload_module(linear, CPU, "disk", offload_dir=str(offload_dir))
+    cache = linear._parameters
+    meta = torch.empty(512, 512, device="meta")  # float32, as the module's parameter
+    DiskCache.create_checkpoint_symlink(
+        meta, {"safetensors_file": str(checkpoint), "weight_name": "w", "dtype": "float32"}, str(offload_dir)
+    )
+    with disable_onloading():
+        cache["weight"] = meta
+    assert oc_ct.prefetch([linear], target=0) == 512 * 512 * 4
+    with disable_offloading():
+        got = linear.weight
+        assert got.dtype == torch.float32 and torch.equal(got, weight.float())

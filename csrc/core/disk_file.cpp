@@ -168,7 +168,8 @@ bool disk_read(const DiskSource::Where& w, void* buf, size_t bytes, std::string*
 std::shared_ptr<ReadOnlyFile> ReadOnlyFile::open(const std::string& path, std::string* error) {
   auto f = std::make_shared<ReadOnlyFile>();
   f->path = path;
-  f->fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO without a writer must not block the open (reads of regular files ignore it).
+  f->fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   struct stat st {};
   if (f->fd < 0 || fstat(f->fd, &st) != 0) {
     if (error) *error = "cannot open " + path + ": " + errno_text(errno);

@@ -41,23 +41,22 @@ double HostEvent::elapsed_ms_since(Event& start) {
   return std::chrono::duration<double, std::milli>(when_ - s->when()).count();
 }
 
-const EventPtr& ChainedEvent::issued_done() {
+void ChainedEvent::wait() {
   issued_->wait();
-  if (!done_) {
+  if (latest_) latest_->wait();
+}
+
+void ChainedEvent::wait_current(int device) {
+  issued_->wait();
+  if (!finished_) {
+    if (latest_) latest_->wait();  // what was issued lands before anyone hears of the failure
     throw std::runtime_error(
-        "offcache: the copies of this fetch were never issued: " +
+        "offcache: the copies of this fetch were not all issued: " +
         (why_.empty() ? std::string("an earlier task of the engine's I/O thread failed (the next "
                                     "engine call names it)")
                       : why_));
   }
-  return done_;
+  if (latest_) latest_->wait_current(device);
 }
-
-void ChainedEvent::wait() {
-  issued_->wait();
-  if (done_) done_->wait();
-}
-
-void ChainedEvent::wait_current(int device) { issued_done()->wait_current(device); }
 
 }  // namespace offcache

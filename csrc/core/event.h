@@ -49,29 +49,34 @@ class HostEvent final : public Event {
 };
 
 // Work that a host thread (the engine's I/O thread) issues onto a stream only
-// once its inputs are ready: `issued` completes when that thread has run, or
-// skipped after an earlier failure, the issuing tasks, which hand over the
-// stream's event with set() first. Complete once both are. wait() only blocks
-// (the engine's own waits); wait_current(), the consumer's wait, raises when
-// the work was never issued, so nobody reads outputs that were not written.
+// once its inputs are ready, in several tasks: each hands over the stream's
+// event after its work with set(), the last also calls finish(). `issued`
+// completes when the thread has run, or skipped after a failure, every task.
+// Complete once `issued` and the last handed-over event are, so work issued
+// before a failure still finishes first. wait() only blocks (the engine's own
+// waits); wait_current(), the consumer's wait, raises unless every task ran,
+// so nobody reads outputs that were not written.
 class ChainedEvent final : public Event {
  public:
   // Before the event is shared: the host event recorded after the issuing tasks.
   void issued_by(std::shared_ptr<HostEvent> issued) { issued_ = std::move(issued); }
   // On the issuing thread, before `issued` completes.
-  void set(EventPtr done) { done_ = std::move(done); }
+  void set(EventPtr latest) { latest_ = std::move(latest); }
+  void finish() { finished_ = true; }
   void fail(std::string why) { why_ = std::move(why); }
+  bool failed() const { return !why_.empty(); }  // on the issuing thread
   bool issued() const { return issued_->query(); }
-  bool query() override { return issued_->query() && (!done_ || done_->query()); }
+  bool query() override { return issued_->query() && (!latest_ || latest_->query()); }
   void wait() override;
   void wait_current(int device) override;
   double elapsed_ms_since(Event&) override { return 0.0; }
 
  private:
-  const EventPtr& issued_done();  // waits for `issued`; raises when nothing was issued
   std::shared_ptr<HostEvent> issued_;
-  EventPtr done_;    // written before issued_ completes, read after
-  std::string why_;  // likewise
+  // Written by the issuing thread before issued_ completes, read after.
+  EventPtr latest_;
+  bool finished_ = false;
+  std::string why_;
 };
 
 }  // namespace offcache
