@@ -17,6 +17,9 @@
 #            (test_weights_properties.py and test_bench_weights.py, host backend by design, too)
 #   bench    offcache.bench transfer overlap small pipeline --quick (llm-compressor's cache is
 #            the pipeline baseline, from the wheels)
+#   weights  offcache.bench weights --quick: offloaded weights (CPU and disk), compressed-tensors'
+#            caches against offcache's; its headline judges the weights bars (weight H2D >= 90 %
+#            of raw pinned, <= 1 host wait per subgraph and <= 5 % of wall waiting, with prefetch)
 #   oneshot  llm-compressor's sequential GPTQ W4A16, its cache vs offcache, prefetch off/on
 #            (its weights-offloaded rows left out, OFFCACHE_BENCH_ONESHOT_WEIGHTS=0: over budget)
 #   kv       KV decode: DynamicCache, transformers' offloading, offcache (tokens compared)
@@ -138,6 +141,17 @@ elif what == "bench":
     pinned = r.get("pinned") or []
     if pinned:
         out.append("pinned reserved/live " + " vs ".join(f"{v['impl']} {x(v.get('ratio'))}" for v in pinned))
+elif what == "weights":
+    rows = r.get("weights") or []
+    bars = row(rows, impl="bars")
+    for name, b in bars.items():
+        if isinstance(b, dict) and "bar" in b:
+            verdict = "" if b.get("pass") is None else (" ok" if b["pass"] else " MISSED")
+            out.append(f"{name} {x(b.get('value'))} ({b['bar']}){verdict}")
+    for impl in ("offcache_prefetch", "disk_compressed_tensors", "disk_offcache_prefetch"):
+        v = row(rows, impl=impl)
+        if v:
+            out.append(f"{impl} {x(v.get('vs_compute_only'))}x compute-only")
 elif what == "oneshot":
     rows = r.get("oneshot") or []
     compared = [v for v in rows if v.get("bit_identical") is not None]
@@ -178,9 +192,9 @@ EOF
 
 headline() { "$PY" "$WORK/headline.py" "$@" 2>/dev/null | head -c 400; }
 
-NAMES=(wheels build gpu tests bench oneshot kv soak)
+NAMES=(wheels build gpu tests bench weights oneshot kv soak)
 declare -A DEADLINE CMD WHY HEAD
-DEADLINE=([wheels]=30 [build]=150 [gpu]=60 [tests]=75 [bench]=60 [oneshot]=120 [kv]=75 [soak]=30)
+DEADLINE=([wheels]=30 [build]=150 [gpu]=60 [tests]=75 [bench]=60 [weights]=50 [oneshot]=120 [kv]=75 [soak]=30)
 CMD[wheels]="ls .whl/*.whl >/dev/null 2>&1 || { echo 'no .whl/: run bash scripts/device_wheels.sh before the device run, and carry .whl'; exit 3; }
   '$PY' -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target '$SITE' .whl/*.whl"
 CMD[build]="OFFCACHE_FORCE_CUDA=1 MAX_JOBS=16 '$PY' setup.py build_ext --inplace &&
@@ -190,17 +204,18 @@ CMD[tests]="'$PY' -m pytest -q -p no:cacheprovider -m 'not gpu and not slow' tes
   --ignore=tests/test_bench.py --ignore=tests/test_soak.py \
   --ignore=tests/test_weights_properties.py --ignore=tests/test_bench_weights.py"
 CMD[bench]="'$PY' -m offcache.bench transfer overlap small pipeline $SIZE --out '$BENCH'"
+CMD[weights]="'$PY' -m offcache.bench weights $SIZE --out '$BENCH'"
 CMD[oneshot]="CUBLAS_WORKSPACE_CONFIG=:4096:8 OFFCACHE_BENCH_ONESHOT_WEIGHTS=0 '$PY' -m offcache.bench oneshot $([ "$DRY" = 1 ] && echo --tiny) --out '$BENCH'"
 CMD[kv]="'$PY' -m offcache.bench kv $SIZE --out '$BENCH'"
 CMD[soak]="'$PY' -m offcache.bench soak $SIZE --out '$BENCH'"
 HEAD=([wheels]="" [build]="build $LOGS/build_info.json" [gpu]="tests $LOGS/gpu.log" [tests]="tests $LOGS/tests.log"
-  [bench]="bench $BENCH/results.json" [oneshot]="oneshot $BENCH/results.json" [kv]="kv $BENCH/results.json"
+  [bench]="bench $BENCH/results.json" [weights]="weights $BENCH/results.json" [oneshot]="oneshot $BENCH/results.json" [kv]="kv $BENCH/results.json"
   [soak]="soak $BENCH/results.json")
 if [ "$DRY" = 1 ]; then
   WHY[wheels]="dry run: this Python has the packages (the wheels are for CPython 3.12)"
   WHY[build]="dry run: the in-place build here is used"
   WHY[gpu]="dry run: no GPU"
-  DEADLINE+=([tests]=120 [bench]=60 [oneshot]=60 [kv]=60 [soak]=30)
+  DEADLINE+=([tests]=120 [bench]=60 [weights]=40 [oneshot]=60 [kv]=60 [soak]=30)
 fi
 
 {

@@ -17,7 +17,7 @@ def test_weights_section_rows(tmp_path, capsys):
     assert set(rows) == {
         "compute_only", "compressed_tensors", "offcache", "offcache_prefetch",
         "raw_pinned_vs_engine_fetch", "disk_compressed_tensors", "disk_offcache", "disk_offcache_prefetch",
-        "disk_raw_sequential_read",
+        "disk_raw_sequential_read", "bars",
     }  # fmt: skip
     shape = rows["compute_only"]["shape"]
     weights = shape["S"] * shape["L"] * 2  # weight and bias per layer
@@ -34,5 +34,14 @@ def test_weights_section_rows(tmp_path, capsys):
     for impl in ("disk_compressed_tensors", "disk_offcache", "disk_offcache_prefetch"):
         assert rows[impl]["wall_s"] > 0
     assert rows["disk_offcache"]["prefetch_misses"] == 0  # prefetch off: none counted
+    disk, disk_ahead = rows["disk_offcache"], rows["disk_offcache_prefetch"]
+    # Every onload and prefetch reads its file through the engine: one fetch_file per weight file.
+    assert disk["file_fetches"] == weights and disk["file_read_bytes"] >= disk["h2d_bytes"] > 0
+    assert disk_ahead["prefetch_hits"] == weights - shape["L"] * 2
+    assert disk_ahead["host_waits_per_subgraph"] <= disk["host_waits_per_subgraph"]
+    bars = rows["bars"]
+    assert bars["judged"] is False  # no GPU here: reported, not judged
+    assert bars["weight_h2d_over_raw_pinned"]["value"] == rows["raw_pinned_vs_engine_fetch"]["engine_over_raw"]
+    assert bars["wait_share_prefetch"]["pass"] is None and 0 <= bars["wait_share_prefetch"]["value"] < 1
     assert results["runs"]["weights"]["command"].endswith("weights --tiny --out " + str(tmp_path))
     assert "weight H2D: engine" in capsys.readouterr().out
