@@ -1,9 +1,11 @@
 // The disk tier's files: no name left behind, reserved space, aligned and
 // unaligned I/O, and clear errors.
 #include <dirent.h>
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -169,6 +171,43 @@ TEST(ReadOnlyFile, MissingFilesAndFoldersAreClearErrors) {
   EXPECT_NE(why.find("No such file"), std::string::npos) << why;
   EXPECT_EQ(ReadOnlyFile::open(dir.path, &why), nullptr);
   EXPECT_NE(why.find("not a regular file"), std::string::npos) << why;
+}
+
+// Checkpoints in the page cache are read from it; dropped ones are left to O_DIRECT.
+TEST(ReadOnlyFile, ReadIfCachedServesOnlyResidentPages) {
+  TempDir dir;
+  const std::string path = dir.path + "/cached.bin";
+  const size_t n = 64 * kDiskAlign;
+  std::vector<char> data(n);
+  for (size_t i = 0; i < n; ++i) data[i] = static_cast<char>(i * 13 + 5);
+  FILE* f = std::fopen(path.c_str(), "wb");
+  ASSERT_NE(f, nullptr);
+  ASSERT_EQ(std::fwrite(data.data(), 1, n, f), n);
+  std::fflush(f);
+  fsync(fileno(f));  // clean pages, which the kernel may drop
+  std::fclose(f);
+  std::string why;
+  auto file = ReadOnlyFile::open(path, &why);
+  ASSERT_NE(file, nullptr) << why;
+  std::vector<char> back(n);
+  ASSERT_TRUE(read_if_cached(file->at(0), back.data(), n, n));  // just written: cached
+  EXPECT_EQ(std::memcmp(back.data(), data.data(), n), 0);
+  EXPECT_FALSE(read_if_cached(file->at(0), back.data(), n + 100, n + 1));  // past the end
+  // Dropped from the page cache (where the file system lets fadvise drop it): not served.
+  posix_fadvise(file->fd, 0, 0, POSIX_FADV_DONTNEED);
+  void* map = mmap(nullptr, n, PROT_READ, MAP_SHARED, file->fd, 0);
+  ASSERT_NE(map, MAP_FAILED);
+  std::vector<unsigned char> resident(n / kDiskAlign);
+  ASSERT_EQ(mincore(map, n, resident.data()), 0);
+  munmap(map, n);
+  bool any = false;
+  for (unsigned char r : resident) any = any || (r & 1);
+  if (any) GTEST_SKIP() << "this file system keeps the pages (tmpfs?)";
+  EXPECT_FALSE(read_if_cached(file->at(0), back.data(), n, n));
+  ASSERT_TRUE(disk_read(file->at(0), back.data(), n, &why)) << why;  // the disk path still reads it
+  EXPECT_EQ(std::memcmp(back.data(), data.data(), n), 0);
+  file.reset();
+  unlink(path.c_str());
 }
 
 }  // namespace

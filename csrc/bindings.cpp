@@ -100,6 +100,7 @@ py::dict stats_dict() {
   OFFCACHE_FIELD(bounce_pageable);
   OFFCACHE_FIELD(file_fetches);
   OFFCACHE_FIELD(file_read_bytes);
+  OFFCACHE_FIELD(file_cached_reads);
   OFFCACHE_FIELD(file_buffered_reads);
   OFFCACHE_FIELD(file_read_seconds);
 #undef OFFCACHE_FIELD

@@ -551,6 +551,7 @@ EngineStats Engine::stats() {
   s.disk_read_seconds = static_cast<double>(disk_read_ns_.load()) * 1e-9;
   s.disk_fallbacks = disk_fallbacks_.load();
   s.file_read_bytes = file_read_bytes_.load();
+  s.file_cached_reads = file_cached_reads_.load();
   s.file_buffered_reads = file_buffered_reads_.load();
   s.file_read_seconds = static_cast<double>(file_read_ns_.load()) * 1e-9;
   l.unlock();

@@ -62,8 +62,9 @@ struct EngineStats {
   size_t bounce_reserved_bytes = 0;  // the disk tier's pinned I/O buffers, outside the budget
   size_t bounce_pageable = 0;        // I/O buffers that did not fit them: pageable
   double disk_write_seconds = 0, disk_read_seconds = 0;
-  // fetch_file: calls, bytes read from files, pieces read without O_DIRECT, read time.
-  size_t file_fetches = 0, file_read_bytes = 0, file_buffered_reads = 0;
+  // fetch_file: calls, bytes read from files, pieces served by the page cache, pieces
+  // read from the disk without O_DIRECT (refused), read time.
+  size_t file_fetches = 0, file_read_bytes = 0, file_cached_reads = 0, file_buffered_reads = 0;
   double file_read_seconds = 0;
 };
 
@@ -109,11 +110,11 @@ class Engine {
   // Tensors read from byte ranges of the file at `path` onto `device`:
   // tensor i has likes[i]'s dtype and shape (likes may be meta tensors), is
   // contiguous, and holds the file's bytes [offsets[i], offsets[i] + nbytes).
-  // The I/O thread reads the file kDiskPiece at a time (O_DIRECT where the
-  // file system allows it) into bounce buffers (pinned on CUDA) and issues each
-  // piece's copies itself: the calling thread never waits for the disk, and
-  // each piece's copy overlaps the next piece's read. The file's bytes must not
-  // change until `done`. wait: as fetch's.
+  // The I/O thread reads the file kDiskPiece at a time (from the page cache
+  // where a piece is there, else O_DIRECT where the file system allows it) into bounce buffers
+  // (pinned on CUDA) and issues each piece's copies itself: the calling thread never waits for the
+  // disk, and each piece's copy overlaps the next piece's read. The file's bytes must not change
+  // until `done`. wait: as fetch's.
   Fetched fetch_file(const std::string& path, const std::vector<int64_t>& offsets,
                      const std::vector<at::Tensor>& likes, c10::Device device, bool wait);
   // Copies srcs[i] into the existing dsts[i] (same dtype and shape) on the
@@ -281,7 +282,7 @@ class Engine {
   std::atomic<size_t> disk_write_bytes_{0}, disk_read_bytes_{0};
   std::atomic<int64_t> disk_write_ns_{0}, disk_read_ns_{0};
   std::atomic<size_t> disk_fallbacks_{0};  // aligned I/O that O_DIRECT refused: buffered instead
-  std::atomic<size_t> file_read_bytes_{0}, file_buffered_reads_{0};  // fetch_file's reads
+  std::atomic<size_t> file_read_bytes_{0}, file_cached_reads_{0}, file_buffered_reads_{0};
   std::atomic<int64_t> file_read_ns_{0};
   std::atomic<size_t> lock_waits_over_1ms_{0};
   // fetch_file's ring (null until the first) and, touched by file_io_'s thread

@@ -1,7 +1,8 @@
 // Engine::fetch_file: tensors read from byte ranges of a file (a checkpoint's
 // safetensors shard) straight onto a device, never copying the file.
 //
-// The file is read in kDiskPiece pieces into the engine's ring of bounce slots
+// The file is read in kDiskPiece pieces (from the page cache where all of a
+// piece is there, else O_DIRECT) into the engine's ring of bounce slots
 // (pinned on CUDA, one for every fetch_file). Its own I/O thread reads a piece
 // and then issues that piece's copies on the fetch stream itself, so the
 // calling thread never waits for the disk and the copy engine copies piece k
@@ -152,14 +153,17 @@ Engine::Fetched Engine::fetch_file(const std::string& path, const std::vector<in
           const auto t0 = std::chrono::steady_clock::now();
           std::string why;
           bool buffered = false;
-          if (!disk_read(file->at(static_cast<off_t>(piece.offset)), slot, piece.length, &why,
-                         &buffered, piece.need)) {
-            chained->fail("reading " + file->path + ": " +
-                          why);  // this fetch fails, not the engine
+          const DiskSource::Where where = file->at(static_cast<off_t>(piece.offset));
+          if (read_if_cached(where, slot, piece.length, piece.need)) {
+            ++file_cached_reads_;  // a checkpoint still in the page cache: no disk read
+          } else if (!disk_read(where, slot, piece.length, &why, &buffered, piece.need)) {
+            // This fetch fails, not the engine.
+            chained->fail("reading " + file->path + ": " + why);
             return;
+          } else if (buffered) {
+            ++file_buffered_reads_;
           }
           file_read_bytes_ += piece.need;
-          if (buffered) ++file_buffered_reads_;
           file_read_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(
                                std::chrono::steady_clock::now() - t0)
                                .count();

@@ -64,6 +64,7 @@ class _Stats(TypedDict):
     bounce_pageable: int
     file_fetches: int
     file_read_bytes: int
+    file_cached_reads: int
     file_buffered_reads: int
     file_read_seconds: float
     pinned: bool

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -163,6 +164,23 @@ bool disk_read(const DiskSource::Where& w, void* buf, size_t bytes, std::string*
   return transfer(
       w, static_cast<char*>(buf), bytes, "read",
       [](int fd, char* p, size_t n, off_t o) { return pread(fd, p, n, o); }, error, buffered, need);
+}
+
+bool read_if_cached(const DiskSource::Where& w, void* buf, size_t bytes, size_t need) {
+  need = std::min(need, bytes);
+  size_t done = 0;
+  while (done < need) {
+    iovec v{static_cast<char*>(buf) + done, bytes - done};
+    const ssize_t n = preadv2(w.fd, &v, 1, w.offset + static_cast<off_t>(done), RWF_NOWAIT);
+    if (n > 0) {
+      done += static_cast<size_t>(n);
+    } else if (n < 0 && errno == EINTR) {
+      continue;
+    } else {
+      return false;  // EAGAIN (not cached), EOF, EOPNOTSUPP (no RWF_NOWAIT) or an error
+    }
+  }
+  return true;
 }
 
 std::shared_ptr<ReadOnlyFile> ReadOnlyFile::open(const std::string& path, std::string* error) {

@@ -69,6 +69,13 @@ bool disk_write(const DiskSource::Where& w, const void* buf, size_t bytes, std::
 bool disk_read(const DiskSource::Where& w, void* buf, size_t bytes, std::string* error,
                bool* buffered = nullptr, size_t need = SIZE_MAX);
 
+// Reads [offset, offset + bytes) through the page cache only if it is there
+// already (preadv2 RWF_NOWAIT on the buffered descriptor): true once `need`
+// bytes are in. False, with nothing reported, when some are not cached (the
+// caller reads from the disk then, O_DIRECT: a checkpoint larger than RAM
+// does not evict the page cache) or the kernel has no RWF_NOWAIT.
+bool read_if_cached(const DiskSource::Where& w, void* buf, size_t bytes, size_t need);
+
 // A regular file opened for reading: buffered, and O_DIRECT where the file
 // system allows it (`direct` is -1 where it does not). Closed when the last
 // owner lets go, so queued reads keep it open.
