@@ -316,6 +316,7 @@ def _disk(ctx: Context, shape, dtype, bound: float) -> list[dict]:
                 "prefetch_misses": s["weight_prefetch_misses"],
                 "file_fetches": s["file_fetches"],
                 "file_read_bytes": s["file_read_bytes"],
+                "file_cached_reads": s["file_cached_reads"],
                 "file_buffered_reads": s["file_buffered_reads"],
             }
         rows.append(row)
