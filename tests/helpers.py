@@ -90,3 +90,27 @@ __all__ = [
     "CPU", "TINY_VOCAB", "Frozen", "OrderedDict", "Outer", "Pair", "assert_same", "calibration_set",
     "save_tiny_llama", "snapshot",
 ]  # fmt: skip
+
+
+def checkpoint_disk_cache(folder, weights: dict, dtypes: dict | None = None):
+    """An OffloadCache for "disk" (the patched class, if patched) whose entries are symlinks into
+    one checkpoint file, as compressed-tensors' from_accelerate makes them: `weights` saved to
+    folder/model.safetensors, each entered through DiskCache.create_checkpoint_symlink with the
+    index dtype dtypes[name] (default: the tensor's own). Returns (cache, checkpoint path)."""
+    from compressed_tensors.offload import disable_onloading
+    from compressed_tensors.offload.cache import DiskCache, OffloadCache
+    from safetensors.torch import save_file
+
+    checkpoint = folder / "model.safetensors"
+    save_file(weights, str(checkpoint))
+    offload_dir = folder / "offload"
+    offload_dir.mkdir()
+    cache = OffloadCache.cls_from_device("disk")(torch.device("cpu"), offload_dir=str(offload_dir))
+    for name, tensor in weights.items():
+        dtype = (dtypes or {}).get(name, tensor.dtype)
+        meta = torch.empty(tensor.shape, dtype=dtype, device="meta")
+        info = {"safetensors_file": str(checkpoint), "weight_name": name, "dtype": str(dtype).removeprefix("torch.")}
+        DiskCache.create_checkpoint_symlink(meta, info, str(offload_dir))
+        with disable_onloading():
+            cache[name] = meta
+    return cache, checkpoint

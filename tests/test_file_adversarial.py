@@ -631,9 +631,10 @@ def test_fork_after_and_during_a_fetch_child_fetches_too(tmp_path):
 
 ct = pytest.importorskip("compressed_tensors")
 from compressed_tensors.offload import disable_offloading, disable_onloading, offload_module  # noqa: E402
-from compressed_tensors.offload.cache import DiskCache, OffloadCache  # noqa: E402
+from compressed_tensors.offload.cache import DiskCache  # noqa: E402
 
 from offcache import compressed_tensors as oc_ct  # noqa: E402
+from tests.helpers import checkpoint_disk_cache  # noqa: E402
 
 
 @pytest.fixture
@@ -642,23 +643,6 @@ def patched(engine_config):
     oc_ct.patch()
     yield
     oc_ct.unpatch()
-
-
-def _checkpoint_cache(tmp_path, weights, offload_dir_name="offload"):
-    from safetensors.torch import save_file
-
-    checkpoint = tmp_path / "model.safetensors"
-    save_file(weights, str(checkpoint))
-    offload_dir = tmp_path / offload_dir_name
-    offload_dir.mkdir()
-    cache = OffloadCache.cls_from_device("disk")(CPU, offload_dir=str(offload_dir))
-    for name, tensor in weights.items():
-        meta = tensor.to("meta")
-        info = {"safetensors_file": str(checkpoint), "weight_name": name, "dtype": str(tensor.dtype)[6:]}
-        DiskCache.create_checkpoint_symlink(meta, info, str(offload_dir))
-        with disable_onloading():
-            cache[name] = meta
-    return cache, checkpoint
 
 
 def test_disk_cache_unusual_dtypes_scalars_and_empty(patched, tmp_path):
@@ -673,7 +657,7 @@ def test_disk_cache_unusual_dtypes_scalars_and_empty(patched, tmp_path):
         "scalar": torch.tensor(3.5),
         "empty": torch.empty(0, 4),
     }
-    cache, _ = _checkpoint_cache(tmp_path, weights)
+    cache, _ = checkpoint_disk_cache(tmp_path, weights)
     for name, tensor in weights.items():
         got = cache[name]
         assert got.dtype == tensor.dtype and got.shape == tensor.shape, name
@@ -681,7 +665,7 @@ def test_disk_cache_unusual_dtypes_scalars_and_empty(patched, tmp_path):
 
 
 def test_disk_cache_name_missing_from_the_file_raises_key_error(patched, tmp_path):
-    cache, checkpoint = _checkpoint_cache(tmp_path, {"a": torch.randn(4)})
+    cache, checkpoint = checkpoint_disk_cache(tmp_path, {"a": torch.randn(4)})
     meta = torch.empty(4, device="meta")
     info = {"safetensors_file": str(checkpoint), "weight_name": "nope", "dtype": "float32"}
     DiskCache.index[meta] = info
@@ -694,7 +678,7 @@ def test_disk_cache_name_missing_from_the_file_raises_key_error(patched, tmp_pat
 
 def test_disk_cache_header_offsets_past_the_file_raise(patched, tmp_path):
     """A safetensors header whose data_offsets point past the file: a clear error, no garbage."""
-    cache, checkpoint = _checkpoint_cache(tmp_path, {"a": torch.randn(4)})
+    cache, checkpoint = checkpoint_disk_cache(tmp_path, {"a": torch.randn(4)})
     header = {"w": {"dtype": "F32", "shape": [1000], "data_offsets": [0, 4000]}}
     blob = json.dumps(header).encode()
     bad = tmp_path / "bad.safetensors"

@@ -40,6 +40,7 @@ import offcache  # noqa: E402
 from offcache import _engine  # noqa: E402
 from offcache import compressed_tensors as oc_ct  # noqa: E402
 from offcache.compressed_tensors import OffcacheCPUCache, OffcacheDiskCache  # noqa: E402
+from tests.helpers import checkpoint_disk_cache  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -462,20 +463,8 @@ def test_disk_cache_behaviour(disk_cache, tmp_path):
 def test_disk_onload_reads_the_checkpoint_through_a_symlink(patched, tmp_path):
     """from_accelerate's symlinks into the checkpoint: read in place; an update replaces the link
     by a file of its own (the checkpoint is never written)."""
-    from safetensors.torch import save_file
-
     weights = {"a.weight": torch.randn(5, 3), "b.weight": torch.randn(7).to(torch.bfloat16)}
-    checkpoint = tmp_path / "model.safetensors"
-    save_file(weights, str(checkpoint))
-    offload_dir = tmp_path / "offload"
-    offload_dir.mkdir()
-    cache = OffloadCache.cls_from_device("disk")(CPU, offload_dir=str(offload_dir))
-    for name, tensor in weights.items():
-        meta = tensor.to("meta")
-        info = {"safetensors_file": str(checkpoint), "weight_name": name, "dtype": str(tensor.dtype)[6:]}
-        DiskCache.create_checkpoint_symlink(meta, info, str(offload_dir))
-        with disable_onloading():
-            cache[name] = meta
+    cache, checkpoint = checkpoint_disk_cache(tmp_path, weights)
     for name, tensor in weights.items():
         assert torch.equal(cache[name], tensor) and cache[name].dtype == tensor.dtype
     before = checkpoint.read_bytes()
@@ -747,23 +736,11 @@ def test_disk_update_while_a_prefetch_reads_the_file(patched, engine_config, tmp
 def test_disk_prefetch_cast_to_the_index_dtype_waits_for_the_read(patched, engine_config, tmp_path):
     """A checkpoint tensor whose index dtype differs from the file's is cast at onload (as
     DiskCache does): the cast of a prefetched copy must follow its read (slowed copies)."""
-    from safetensors.torch import save_file
-
     engine_config(backend="host", host_copy_delay_us=50_000)
     weight = torch.randn(512, 512).to(torch.bfloat16)
-    checkpoint = tmp_path / "model.safetensors"
-    save_file({"w": weight}, str(checkpoint))
-    offload_dir = tmp_path / "offload"
-    offload_dir.mkdir()
+    cache, _ = checkpoint_disk_cache(tmp_path, {"weight": weight}, dtypes={"weight": torch.float32})
     linear = torch.nn.Linear(512, 512, bias=False)
-    offload_module(linear, CPU, "disk", offload_dir=str(offload_dir))
-    cache = linear._parameters
-    meta = torch.empty(512, 512, device="meta")  # float32, as the module's parameter
-    DiskCache.create_checkpoint_symlink(
-        meta, {"safetensors_file": str(checkpoint), "weight_name": "w", "dtype": "float32"}, str(offload_dir)
-    )
-    with disable_onloading():
-        cache["weight"] = meta
+    linear._parameters = cache  # the module's parameters are that cache, as offload_module makes them
     assert oc_ct.prefetch([linear], target=0) == 512 * 512 * 4
     with disable_offloading():
         got = linear.weight
