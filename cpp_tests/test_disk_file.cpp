@@ -130,18 +130,27 @@ TEST(DiskSource, ArenaOverDiskChunks) {
   arena.free(*b);
 }
 
+// Writes `n` bytes (byte i: i * mul + 1) to a new file at `path`, synced; returns them
+// (empty on failure).
+std::vector<char> write_file(const std::string& path, size_t n, int mul) {
+  std::vector<char> data(n);
+  for (size_t i = 0; i < n; ++i) data[i] = static_cast<char>(i * mul + 1);
+  FILE* f = std::fopen(path.c_str(), "wb");
+  if (f == nullptr) return {};
+  const bool ok =
+      std::fwrite(data.data(), 1, n, f) == n && std::fflush(f) == 0 && fsync(fileno(f)) == 0;
+  std::fclose(f);
+  return ok ? data : std::vector<char>{};
+}
+
 // The checkpoint reader: any regular file, reads past its end allowed up to
 // `need`, and clear errors.
 TEST(ReadOnlyFile, ReadsAlignedPiecesPastTheEndUpToWhatIsNeeded) {
   TempDir dir;
   const std::string path = dir.path + "/weights.bin";
   const size_t n = 3 * kDiskAlign + 100;  // not a multiple of the alignment
-  std::vector<char> data(n);
-  for (size_t i = 0; i < n; ++i) data[i] = static_cast<char>(i * 7 + 1);
-  FILE* f = std::fopen(path.c_str(), "wb");
-  ASSERT_NE(f, nullptr);
-  ASSERT_EQ(std::fwrite(data.data(), 1, n, f), n);
-  std::fclose(f);
+  const std::vector<char> data = write_file(path, n, 7);
+  ASSERT_EQ(data.size(), n);
   std::string why;
   auto file = ReadOnlyFile::open(path, &why);
   ASSERT_NE(file, nullptr) << why;
@@ -178,14 +187,9 @@ TEST(ReadOnlyFile, ReadIfCachedServesOnlyResidentPages) {
   TempDir dir;
   const std::string path = dir.path + "/cached.bin";
   const size_t n = 64 * kDiskAlign;
-  std::vector<char> data(n);
-  for (size_t i = 0; i < n; ++i) data[i] = static_cast<char>(i * 13 + 5);
-  FILE* f = std::fopen(path.c_str(), "wb");
-  ASSERT_NE(f, nullptr);
-  ASSERT_EQ(std::fwrite(data.data(), 1, n, f), n);
-  std::fflush(f);
-  fsync(fileno(f));  // clean pages, which the kernel may drop
-  std::fclose(f);
+  const std::vector<char> data =
+      write_file(path, n, 13);  // synced: clean pages the kernel may drop
+  ASSERT_EQ(data.size(), n);
   std::string why;
   auto file = ReadOnlyFile::open(path, &why);
   ASSERT_NE(file, nullptr) << why;
