@@ -14,7 +14,8 @@
 #   gpu      pytest -m gpu
 #   tests    the rest of the suite (not gpu, not slow) on the CUDA backend; test_bench.py and
 #            test_soak.py are left to the bench, kv and soak steps, which run the same code larger
-#            (test_weights_properties.py and test_bench_weights.py, host backend by design, too)
+#            (test_weights_properties.py, test_bench_weights.py and test_file_adversarial.py, host
+#            backend by design, too; fetch_file's GPU tests are in the gpu step)
 #   bench    offcache.bench transfer overlap small pipeline --quick (llm-compressor's cache is
 #            the pipeline baseline, from the wheels)
 #   weights  offcache.bench weights --quick: offloaded weights (CPU and disk), compressed-tensors'
@@ -202,7 +203,8 @@ CMD[build]="OFFCACHE_FORCE_CUDA=1 MAX_JOBS=16 '$PY' setup.py build_ext --inplace
 CMD[gpu]="'$PY' -m pytest -q -p no:cacheprovider -m gpu tests"
 CMD[tests]="'$PY' -m pytest -q -p no:cacheprovider -m 'not gpu and not slow' tests \
   --ignore=tests/test_bench.py --ignore=tests/test_soak.py \
-  --ignore=tests/test_weights_properties.py --ignore=tests/test_bench_weights.py"
+  --ignore=tests/test_weights_properties.py --ignore=tests/test_bench_weights.py \
+  --ignore=tests/test_file_adversarial.py"
 CMD[bench]="'$PY' -m offcache.bench transfer overlap small pipeline $SIZE --out '$BENCH'"
 CMD[weights]="'$PY' -m offcache.bench weights $SIZE --out '$BENCH'"
 CMD[oneshot]="CUBLAS_WORKSPACE_CONFIG=:4096:8 OFFCACHE_BENCH_ONESHOT_WEIGHTS=0 '$PY' -m offcache.bench oneshot $([ "$DRY" = 1 ] && echo --tiny) --out '$BENCH'"

@@ -468,3 +468,66 @@ def test_update_does_not_wait_for_a_large_prefetch_in_flight(engine_config):
     _engine.store([torch.randn(1 << 26, device=DEV)], CPU)  # 256 MiB D2H: its own bound
     assert offcache.stats()["syncs"] == before
     offcache.synchronize()
+
+
+# --- fetch_file: a checkpoint's byte ranges onto the GPU ----------------------------------------
+
+
+def _random_file(path, nbytes, seed):
+    import numpy as np
+
+    data = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+    data.tofile(path)
+    return torch.from_numpy(data)
+
+
+def test_fetch_file_to_the_gpu_across_the_ring(tmp_path):
+    # 75 MiB + 3: ten pieces (the ring's eight slots read into again), unaligned ranges.
+    path = tmp_path / "w.bin"
+    data = _random_file(path, 75 * (1 << 20) + 3, seed=1)
+    items = [(3, [data.numel() - 3], torch.uint8), (8 * (1 << 20) - 2, [4], torch.uint8)]
+    items.append((100, [2048, 3], torch.bfloat16))
+    out, ticket = _engine.fetch_file(path, items, DEV, wait=False)
+    ticket.wait()  # the current stream waits for the copies; the host only until they are issued
+    for (offset, shape, dtype), got in zip(items, out):
+        n = got.numel() * got.element_size()
+        assert got.device == DEV and got.dtype == dtype and list(got.shape) == shape
+        assert torch.equal(got.view(-1).view(torch.uint8).cpu(), data[offset : offset + n])
+    s = offcache.stats()
+    assert s["bounce_pageable"] == 0 and s["bounce_reserved_bytes"] >= 64 * (1 << 20)  # a pinned ring
+
+
+def test_fetch_file_orders_a_side_streams_use_and_keeps_outputs_alive(tmp_path):
+    path = tmp_path / "s.bin"
+    data = _random_file(path, 40 * (1 << 20), seed=2)
+    side = torch.cuda.Stream(DEV)
+    with torch.cuda.stream(side):
+        (got,), ticket = _engine.fetch_file(path, [(0, [data.numel()], torch.uint8)], DEV, wait=False)
+        ticket.wait()  # orders `side`
+        total = got.to(torch.int64).sum()
+    del got  # dropped while its copies may still run: recordStream and the engine keep it
+    torch.cuda.synchronize()
+    assert int(total) == int(data.to(torch.int64).sum())
+
+
+def test_disk_weights_prefetched_onto_the_gpu(tmp_path):
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.offload import disable_offloading, offload_module
+
+    from offcache import compressed_tensors as oc_ct
+
+    oc_ct.patch()
+    try:
+        torch.manual_seed(0)
+        linear = torch.nn.Linear(1024, 1024)
+        reference = {k: v.clone() for k, v in linear.state_dict().items()}
+        offload_module(linear, DEV, "disk", offload_dir=str(tmp_path))
+        before = offcache.stats()
+        assert oc_ct.prefetch([linear], target=0) == 1024 * 1025 * 4
+        with disable_offloading():
+            assert linear.weight.device == DEV
+            assert torch.equal(linear.weight.cpu(), reference["weight"])
+            assert torch.equal(linear.bias.cpu(), reference["bias"])
+        assert offcache.stats()["file_fetches"] - before["file_fetches"] == 2
+    finally:
+        oc_ct.unpatch()
