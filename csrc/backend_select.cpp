@@ -117,8 +117,9 @@ void configure_global_engine(const std::string& backend, size_t pinned_limit, si
         false, "offcache: backend (OFFCACHE_BACKEND) must be 'auto', 'cuda' or 'host', got '",
         backend, "'");
   }
-  TORCH_CHECK_VALUE(min_chunk > 0,
-                    "offcache: the smallest chunk (OFFCACHE_CHUNK_BYTES) must be > 0");
+  TORCH_CHECK_VALUE(min_chunk > 0 && min_chunk <= ArenaOptions{}.max_chunk,
+                    "offcache: the smallest chunk (OFFCACHE_CHUNK_BYTES) must be in [1, ",
+                    ArenaOptions{}.max_chunk, "] bytes, got ", min_chunk);
   TORCH_CHECK_VALUE(host_copy_delay_us >= 0,
                     "offcache: OFFCACHE_HOST_COPY_DELAY_US must be >= 0, got ", host_copy_delay_us);
 #ifdef OFFCACHE_WITH_CUDA

@@ -40,9 +40,20 @@ Engine::~Engine() {
   } catch (const std::exception& e) {
     std::fprintf(stderr, "offcache: retiring an engine: %s\n", e.what());
   }
-  if (file_ring_) {  // every fetch_file reading it has completed (synchronize)
+  if (file_ring_) {
+    // Freed only once nothing can touch it: every task has run and its slots' copies are
+    // done (synchronize above may have stopped at a broken event). Else it is leaked.
+    bool idle = true;
+    try {
+      if (file_io_) file_io_->synchronize();
+      for (const EventPtr& e : file_slot_reads_) {
+        if (e) e->wait();
+      }
+    } catch (const std::exception&) {
+      idle = false;
+    }
     auto l = lock();
-    free_block(*file_ring_);
+    if (idle) free_block(*file_ring_);
   }
   for (const Block& b : bounce_pool_) pageable_.release(b.ptr, b.size);
 }
@@ -287,7 +298,7 @@ std::vector<Engine::InFlight> Engine::reap_locked() {
                                   it->done->elapsed_ms_since(*trace_origin_)});
       }
       stats_.in_flight_bytes -= it->bytes;
-      in_flight_dir_[static_cast<int>(it->dir)] -= it->bytes;
+      if (it->bounded) in_flight_dir_[static_cast<int>(it->dir)] -= it->bytes;
       done.push_back(std::move(*it));
       it = in_flight_.erase(it);
     } else {
@@ -322,7 +333,7 @@ void Engine::throttle(size_t incoming, Dir dir) {
       finished = reap_locked();
       if (in_flight_dir_[d] == 0 || in_flight_dir_[d] + incoming <= max_in_flight_) return;
       for (const InFlight& f : in_flight_) {
-        if (f.dir == dir) {
+        if (f.dir == dir && f.bounded) {
           oldest = f.done;
           break;
         }

@@ -180,6 +180,9 @@ class Engine {
     Dir dir;
     std::vector<at::Tensor> keepalive;  // staging buffers, sources, destinations
     const void* stream;                 // entries of one stream complete in order
+    // Counts against the per-direction bound (throttle). fetch_file's do not: their
+    // staging is the ring and their outputs exist already, so nothing waits for the disk.
+    bool bounded = true;
   };
 
   std::unique_lock<std::mutex> lock();  // mu_, with contention counted

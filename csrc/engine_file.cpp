@@ -133,7 +133,6 @@ Engine::Fetched Engine::fetch_file(const std::string& path, const std::vector<in
     copies += p.copies.size();
   }
 
-  throttle(total, Dir::kFetch);  // bounded per direction, like fetch
   HostStream& io = io_stream(file_io_);
   char* ring = file_ring();
   auto chained = std::make_shared<ChainedEvent>();
@@ -169,15 +168,16 @@ Engine::Fetched Engine::fetch_file(const std::string& path, const std::vector<in
                                .count();
           std::vector<CopyOp> ops;
           for (const SlotCopy& c : piece.copies) ops.push_back(CopyOp{c.dst, slot + c.at, c.bytes});
+          // Every piece hands its copies' event over: if a later piece fails, the chain still
+          // completes only after the copies already issued (they write the outputs).
+          EventPtr copied;
           try {
             stream.copy(ops);
+            copied = stream.record(false);
           } catch (...) {
             stream.synchronize_noexcept();  // copies queued before the failure land first
             throw;
           }
-          // Every piece hands its copies' event over: if a later piece fails, the chain still
-          // completes only after the copies already issued (they write the outputs).
-          EventPtr copied = stream.record(false);
           chained->set(copied);
           file_slot_reads_[s] = std::move(copied);
           if (last) chained->finish();
@@ -199,10 +199,9 @@ Engine::Fetched Engine::fetch_file(const std::string& path, const std::vector<in
     auto l = lock();
     finished = reap_locked();
     // Its own stream key: it completes in order with nothing else.
-    in_flight_.push_back(
-        InFlight{nullptr, chained, total, Dir::kFetch, std::move(keepalive), chained.get()});
+    in_flight_.push_back(InFlight{nullptr, chained, total, Dir::kFetch, std::move(keepalive),
+                                  chained.get(), /*bounded=*/false});
     stats_.in_flight_bytes += total;
-    in_flight_dir_[static_cast<int>(Dir::kFetch)] += total;
     stats_.h2d_bytes += total;
     stats_.h2d_copies += copies;
     ++stats_.fetches;

@@ -451,9 +451,11 @@ class OffcacheDiskCache(DiskCache):
     def update_offload(self, offloaded: Tensor, data: Tensor | None):
         _drop_prefetched(offloaded)
         # DiskCache rewrites its own file in place (truncating it): no read of it may still be
-        # in flight then (it would fail at the new end, or read the new bytes).
-        path = os.path.realpath(self.index[offloaded]["safetensors_file"])
-        reading = _READS.pop(path, None)
+        # in flight then (it would fail at the new end, or read the new bytes). A checkpoint
+        # symlink is only unlinked (the checkpoint is never written): its reads may go on.
+        name = self.index[offloaded]["safetensors_file"]
+        path = os.path.realpath(name)
+        reading = None if os.path.islink(name) else _READS.pop(path, None)
         if reading is not None and not reading.query():
             _engine.synchronize()
         _forget(path)

@@ -1,6 +1,7 @@
 """Configuration: every variable and configure() argument is range-checked in Python, by name."""
 
 import pytest
+import torch
 
 import offcache
 from offcache import _engine
@@ -101,3 +102,14 @@ def test_sizes_are_exact(text, want):
             _engine.parse_size(text, "X")
     else:
         assert _engine.parse_size(text, "X") == want
+
+
+def test_the_engine_refuses_a_smallest_chunk_past_the_largest(engine_config):
+    """The compiled engine checks the range itself (Python's check is not the only guard):
+    a smallest chunk above the 1 GiB largest would be undefined behaviour in the arena."""
+    from offcache import _C
+
+    with pytest.raises(ValueError, match=r"smallest chunk .* \[1, 1073741824\] bytes, got 2147483648"):
+        _C.configure("host", 1 << 30, 2 << 30, 1 << 30, 0)
+    (x,) = _engine.store([torch.arange(4.0)], torch.device("cpu"))  # the working engine stays
+    assert torch.equal(x, torch.arange(4.0))

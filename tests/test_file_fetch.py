@@ -262,3 +262,20 @@ def test_page_cache_first_then_o_direct(host_engine, tmp_path):
     if s["file_cached_reads"] > before["file_cached_reads"]:
         pytest.skip("the kernel kept the file's pages (fadvise did not drop them)")
     assert (s["file_buffered_reads"] == before["file_buffered_reads"]) == direct
+
+
+def test_no_caller_waits_for_another_fetch_files_disk_reads(engine_config, tmp_path):
+    # A 1 MiB in-flight bound and slowed copies: fetch and store throttle on it, fetch_file
+    # does not (its staging is the ring): the second call returns while the first is in flight.
+    engine_config(backend="host", host_copy_delay_us=40_000, max_in_flight="1MiB")
+    path = tmp_path / "bound.bin"
+    data = write_random(path, 9 * PIECE, seed=8)
+    (a,), first = _engine.fetch_file(path, [(0, [len(data)], torch.uint8)], CPU, wait=False)
+    (b,), second = _engine.fetch_file(path, [(1, [len(data) - 1], torch.uint8)], CPU, wait=False)
+    assert not first.query(), "the second fetch_file waited for the first one's reads"
+    (x,) = _engine.store([torch.arange(8.0)], CPU)  # stores are bounded apart from fetch_file too
+    assert not first.query()
+    first.wait()
+    second.wait()
+    assert torch.equal(a, torch.from_numpy(data)) and torch.equal(b, torch.from_numpy(data[1:]))
+    assert torch.equal(x, torch.arange(8.0))

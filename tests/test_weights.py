@@ -745,3 +745,23 @@ def test_disk_prefetch_cast_to_the_index_dtype_waits_for_the_read(patched, engin
     with disable_offloading():
         got = linear.weight
         assert got.dtype == torch.float32 and torch.equal(got, weight.float())
+
+
+def test_updating_a_checkpoint_symlink_does_not_wait_for_reads_of_the_checkpoint(
+    patched, engine_config, tmp_path, monkeypatch
+):
+    """DiskCache only unlinks a checkpoint symlink on update: reads of the shard go on."""
+    engine_config(backend="host", host_copy_delay_us=50_000)
+    weights = {"a": torch.randn(512, 512), "b": torch.randn(512, 512)}
+    cache, checkpoint = checkpoint_disk_cache(tmp_path, weights)
+    module = torch.nn.Module()
+    module._parameters = cache
+    assert oc_ct.prefetch([module], target=0) == 2 * 512 * 512 * 4  # both read from the shard
+    synchronized = []
+    monkeypatch.setattr(oc_ct._engine, "synchronize", lambda: synchronized.append(1))
+    cache["a"] = torch.zeros(512, 512)  # an update: the symlink becomes a file of its own
+    monkeypatch.undo()
+    assert not synchronized, "the update waited for every read in flight"
+    with disable_offloading():
+        assert torch.equal(cache["a"], torch.zeros(512, 512))
+        assert torch.equal(cache["b"], weights["b"])  # its prefetch, from the untouched shard
