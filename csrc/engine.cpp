@@ -346,7 +346,7 @@ void Engine::throttle(size_t incoming, Dir dir) {
 
 EventPtr Engine::issue(Dir dir, CopyStream& stream, const std::vector<EventPtr>& deps,
                        const std::vector<CopyOp>& ops, std::vector<at::Tensor> keepalive,
-                       const std::vector<CopyOp>& split, const std::vector<EventPtr>& gates) {
+                       const std::vector<CopyOp>& split) {
   size_t bytes = 0;
   for (const auto& op : ops) bytes += op.total();
   bool timed;
@@ -363,21 +363,7 @@ EventPtr Engine::issue(Dir dir, CopyStream& stream, const std::vector<EventPtr>&
       stream.wait(dep);
     }
     if (timed) start = stream.record(true);
-    if (gates.empty()) {
-      stream.copy(ops);
-    } else {
-      // Piecewise (reads from disk): each piece is copied once its read is done.
-      std::vector<CopyOp> run;
-      for (size_t i = 0; i < ops.size(); ++i) {
-        if (gates[i]) {
-          if (!run.empty()) stream.copy(run);
-          run.clear();
-          stream.wait(gates[i]);
-        }
-        run.push_back(ops[i]);
-      }
-      if (!run.empty()) stream.copy(run);
-    }
+    stream.copy(ops);
     if (!split.empty()) stream.split(split);
     done = stream.record(timed);
   } catch (...) {
@@ -388,22 +374,62 @@ EventPtr Engine::issue(Dir dir, CopyStream& stream, const std::vector<EventPtr>&
   }
   std::vector<InFlight> finished;  // destroyed after the lock is released
   auto l = lock();
-  // Every call reaps: a fetch-only loop (calibration, KV decode) must not keep
-  // finished copies' buffers and events alive.
-  finished = reap_locked();
-  in_flight_.push_back(InFlight{start, done, bytes, dir, std::move(keepalive), &stream});
-  stats_.in_flight_bytes += bytes;
-  in_flight_dir_[static_cast<int>(dir)] += bytes;
-  if (dir == Dir::kStore) {
-    stats_.d2h_bytes += bytes;
-    stats_.d2h_copies += ops.size();
-  } else {
-    stats_.h2d_bytes += bytes;
-    stats_.h2d_copies += ops.size();
-  }
-  note_peaks_locked();
+  track_locked(start, done, dir, bytes, ops.size(), std::move(keepalive), &stream, true, &finished);
   l.unlock();
   return done;
+}
+
+EventPtr Engine::issue_after_reads(Dir dir, CopyStream& stream, std::vector<EventPtr> deps,
+                                   std::vector<CopyOp> ops, std::vector<at::Tensor> keepalive,
+                                   std::vector<CopyOp> split) {
+  size_t bytes = 0;
+  for (const auto& op : ops) bytes += op.total();
+  const size_t copies = ops.size();
+  auto chained = std::make_shared<ChainedEvent>();
+  io_->submit([this, &stream, chained, deps = std::move(deps), ops = std::move(ops),
+               split = std::move(split)] {
+    backend_->prepare_io_thread();
+    EventPtr done;
+    try {
+      for (const auto& dep : deps) stream.wait(dep);  // on CUDA a host event is complete by now
+      stream.copy(ops);
+      if (!split.empty()) stream.split(split);
+      done = stream.record(false);
+    } catch (const std::exception& e) {
+      stream.synchronize_noexcept();  // what was queued lands before the chain completes
+      chained->fail(std::string("issuing a disk-tier fetch: ") + e.what());
+      throw;  // sticky: the next engine call raises it
+    }
+    chained->set(std::move(done));
+    chained->finish();
+  });
+  chained->issued_by(io_->record());
+  std::vector<InFlight> finished;  // destroyed after the lock is released
+  auto l = lock();
+  track_locked(nullptr, chained, dir, bytes, copies, std::move(keepalive), chained.get(), true,
+               &finished);
+  l.unlock();
+  return chained;
+}
+
+void Engine::track_locked(EventPtr start, EventPtr done, Dir dir, size_t bytes, size_t copies,
+                          std::vector<at::Tensor> keepalive, const void* stream, bool bounded,
+                          std::vector<InFlight>* finished) {
+  // Every call reaps: a fetch-only loop (calibration, KV decode) must not keep
+  // finished copies' buffers and events alive.
+  *finished = reap_locked();
+  in_flight_.push_back(InFlight{std::move(start), std::move(done), bytes, dir, std::move(keepalive),
+                                stream, bounded});
+  stats_.in_flight_bytes += bytes;
+  if (bounded) in_flight_dir_[static_cast<int>(dir)] += bytes;
+  if (dir == Dir::kStore) {
+    stats_.d2h_bytes += bytes;
+    stats_.d2h_copies += copies;
+  } else {
+    stats_.h2d_bytes += bytes;
+    stats_.h2d_copies += copies;
+  }
+  note_peaks_locked();
 }
 
 bool Engine::is_complete(const EventPtr& e, QueryMemo* memo) {

@@ -218,9 +218,8 @@ class Engine {
   // returns the write's completion (the block's `stored`).
   EventPtr write_to_disk(HostBlock* hb, const Block& bounce, const char* data, size_t bytes,
                          const EventPtr& after);
-  // Queues reads of [src, src + bytes) of a disk block into `*dst`, in pieces;
-  // returns one event per kDiskPiece, in order.
-  std::vector<EventPtr> read_from_disk(const char* src, size_t bytes, char* dst);
+  // Queues reads of [src, src + bytes) of a disk block into `*dst` on io_, in kDiskPiece pieces.
+  void read_from_disk(const char* src, size_t bytes, char* dst);
   // `slot`'s I/O thread (io_ or file_io_), started on first use (takes mu_; the
   // thread is made without it).
   HostStream& io_stream(std::unique_ptr<HostStream>& slot);
@@ -232,8 +231,16 @@ class Engine {
   // span into independent tensors); returns their completion.
   EventPtr issue(Dir dir, CopyStream& stream, const std::vector<EventPtr>& deps,
                  const std::vector<CopyOp>& ops, std::vector<at::Tensor> keepalive,
-                 const std::vector<CopyOp>& split = {},
-                 const std::vector<EventPtr>& gates = {});  // gates[i]: before ops[i]
+                 const std::vector<CopyOp>& split = {});
+  // issue(), but by the I/O thread once the reads queued on io_ before it are done;
+  // returns a ChainedEvent at once.
+  EventPtr issue_after_reads(Dir dir, CopyStream& stream, std::vector<EventPtr> deps,
+                             std::vector<CopyOp> ops, std::vector<at::Tensor> keepalive,
+                             std::vector<CopyOp> split);
+  // Lists a batch issued on `stream` as in flight (reaping finished ones into `finished`).
+  void track_locked(EventPtr start, EventPtr done, Dir dir, size_t bytes, size_t copies,
+                    std::vector<at::Tensor> keepalive, const void* stream, bool bounded,
+                    std::vector<InFlight>* finished);
   void throttle(size_t incoming, Dir dir);
   // Moves completed in-flight entries out (destroyed by the caller, unlocked).
   std::vector<InFlight> reap_locked();

@@ -170,14 +170,13 @@ EventPtr Engine::write_to_disk(HostBlock* hb, const Block& bounce, const char* d
   return written;
 }
 
-std::vector<EventPtr> Engine::read_from_disk(const char* src, size_t bytes, char* dst) {
+void Engine::read_from_disk(const char* src, size_t bytes, char* dst) {
   // `dst` is kDiskAlign-aligned and holds the aligned span around [src, src + bytes).
   DiskSource::Where where = disk_->locate(src);
   TORCH_INTERNAL_ASSERT(where.fd >= 0, "offcache: a disk read outside every disk file");
   const size_t shift = static_cast<size_t>(where.offset) % kDiskAlign;
   where.offset -= static_cast<off_t>(shift);
   const size_t n = align_up(shift + bytes, kDiskAlign);
-  std::vector<EventPtr> pieces;
   for (size_t off = 0; off < n; off += kDiskPiece) {
     const size_t len = std::min(kDiskPiece, n - off);
     io_->submit([this, where, dst, off, len] {
@@ -192,9 +191,7 @@ std::vector<EventPtr> Engine::read_from_disk(const char* src, size_t bytes, char
       disk_read_bytes_ += len;
       disk_read_ns_ += ns_since(t0);
     });
-    pieces.push_back(io_->record());
   }
-  return pieces;
 }
 
 }  // namespace offcache

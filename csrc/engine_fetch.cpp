@@ -158,20 +158,15 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
         }
       }
     });
-    // Disk blocks: their span is read into a bounce buffer piece by piece, and
-    // each piece is copied on as soon as it is read (ops[k] is segments[k]'s).
-    std::vector<EventPtr> gates;
+    // Disk blocks: their span is read into a bounce buffer on the I/O thread, which then
+    // issues the whole batch itself (issue_after_reads): the caller never waits for the
+    // disk (a CUDA stream cannot wait for a host thread without blocking the caller).
     std::vector<Block> bounces;
     if (disk_) {
-      std::vector<CopyOp> piecewise;
       for (size_t k = 0; k < segments.size(); ++k) {
         const Segment& seg = segments[k];
         // Another engine's disk block (configure() since) is read through its mapping.
-        if (seg.block == nullptr || !seg.block->disk() || seg.block->engine != this) {
-          piecewise.push_back(ops[k]);
-          gates.push_back(nullptr);
-          continue;
-        }
+        if (seg.block == nullptr || !seg.block->disk() || seg.block->engine != this) continue;
         const size_t shift = (reinterpret_cast<uintptr_t>(seg.begin) -
                               reinterpret_cast<uintptr_t>(seg.block->block.ptr)) %
                              kDiskAlign;
@@ -183,18 +178,9 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
           written = seg.block->stored;
         }
         io_->wait_event(written);
-        std::vector<EventPtr> reads = read_from_disk(seg.begin, seg.length, bounce);
-        // Piece j holds bounce bytes [j, j + 1) * kDiskPiece: data from j * kDiskPiece - shift.
-        for (size_t j = 0; j < reads.size(); ++j) {
-          const size_t lo = j == 0 ? 0 : j * kDiskPiece - shift;
-          const size_t hi = std::min(seg.length, (j + 1) * kDiskPiece - shift);
-          if (lo >= hi) break;
-          piecewise.push_back(
-              CopyOp{static_cast<char*>(ops[k].dst) + lo, bounce + shift + lo, hi - lo});
-          gates.push_back(reads[j]);
-        }
+        read_from_disk(seg.begin, seg.length, bounce);
+        ops[k].src = bounce + shift;  // ops[k] is segments[k]'s
       }
-      ops = std::move(piecewise);
     }
     for (size_t i = 0; i < n; ++i) {
       if (!sources[i].dense.defined() || sources[i].dense.device() != from) continue;
@@ -215,7 +201,9 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
     size_t total = 0;
     for (const CopyOp& op : ops) total += op.total();
     throttle(total, dir);  // bounded per direction, like stores
-    EventPtr done = issue(dir, stream, deps, ops, std::move(keepalive), split, gates);
+    EventPtr done = bounces.empty()
+                        ? issue(dir, stream, deps, ops, std::move(keepalive), split)
+                        : issue_after_reads(dir, stream, deps, ops, std::move(keepalive), split);
     {
       auto l = lock();
       ++stats_.fetches;

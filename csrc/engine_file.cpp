@@ -197,16 +197,11 @@ Engine::Fetched Engine::fetch_file(const std::string& path, const std::vector<in
   std::vector<InFlight> finished;  // destroyed after the lock is released
   {
     auto l = lock();
-    finished = reap_locked();
     // Its own stream key: it completes in order with nothing else.
-    in_flight_.push_back(InFlight{nullptr, chained, total, Dir::kFetch, std::move(keepalive),
-                                  chained.get(), /*bounded=*/false});
-    stats_.in_flight_bytes += total;
-    stats_.h2d_bytes += total;
-    stats_.h2d_copies += copies;
+    track_locked(nullptr, chained, Dir::kFetch, total, copies, std::move(keepalive), chained.get(),
+                 /*bounded=*/false, &finished);
     ++stats_.fetches;
     ++stats_.file_fetches;
-    note_peaks_locked();
   }
   if (!device.is_cpu()) {
     for (const at::Tensor& t : out) backend_->hand_over(t, device);

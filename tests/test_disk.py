@@ -422,3 +422,21 @@ def test_disk_io_buffers_come_from_the_bounce_arena_when_the_budget_is_full(all_
     assert s["bounce_pageable"] == 0 and s["bounce_reserved_bytes"] > 0
     offcache.synchronize()
     assert offcache.empty_cache() >= 0 and offcache.stats()["bounce_reserved_bytes"] == 0
+
+
+def test_a_disk_fetch_does_not_hold_up_the_copy_stream(engine_config, disk_dir):
+    """The I/O thread issues a disk value's copies once its reads are done: the fetch stream
+    never waits for the disk, so a fetch from memory issued after it completes first (it used
+    to queue behind the reads, and on CUDA the caller itself waited for them)."""
+    engine_config(backend="host", pinned_limit="256MiB", min_chunk="1MiB", host_limit="8MiB", disk_dir=disk_dir)
+    (small,) = _engine.store([torch.arange(1000.0)], CPU)  # first come: stays in memory
+    (big,) = _engine.store([torch.randn(24 * MiB)], CPU)  # 96 MiB: past the host limit, on disk
+    assert _engine.is_disk_tensor(big) and not _engine.is_disk_tensor(small)
+    offcache.synchronize()
+    (got_big,), big_ticket = _engine.fetch([big], CPU, wait=False)
+    (got_small,), small_ticket = _engine.fetch([small], CPU, wait=False)
+    small_ticket.wait()
+    assert not big_ticket.query(), "the memory fetch waited for the disk fetch's reads"
+    assert torch.equal(got_small, torch.arange(1000.0))
+    big_ticket.wait()
+    assert torch.equal(got_big, big)
