@@ -59,6 +59,13 @@ class CopyStream {
   // it: one batched kernel on a GPU, a memcpy loop on the host worker. Not a
   // copy call: it is how one span copy becomes independent tensors.
   virtual void split(const std::vector<CopyOp>& ops) = 0;
+  // After `deps`, `ops` then `split`, issued by an engine I/O thread once the
+  // reads they copy from are done; returns their completion. A CUDA stream
+  // queues them. A host stream runs them on the calling thread (null: done):
+  // queued, they could sit behind a host stream's blocking wait for an event
+  // that itself follows them, and deadlock.
+  virtual EventPtr copy_after(const std::vector<EventPtr>& deps, const std::vector<CopyOp>& ops,
+                              const std::vector<CopyOp>& split) = 0;
   // Runs `fn` now with this stream as the current one: device memory that fn
   // allocates comes from this stream's pool (on the host: just runs fn).
   virtual void enter(const std::function<void()>& fn) = 0;
@@ -106,6 +113,16 @@ class Backend {
   bool query(const EventPtr& event) {
     ++counters.event_queries;
     return event->query();
+  }
+  // current_wait() for a ChainedEvent (copies an I/O thread issues): the host
+  // waits until they are issued (on the CPU: done), counted, and raises if they
+  // were not all issued. False for any other event.
+  bool wait_chained(c10::Device device, const EventPtr& event) {
+    auto* chained = dynamic_cast<ChainedEvent*>(event.get());
+    if (chained == nullptr) return false;
+    if (device.is_cpu() ? !chained->query() : !chained->issued()) ++counters.syncs;
+    chained->wait_current(device.is_cpu() ? -1 : device.index());
+    return true;
   }
   // Host waits for `event`, counted.
   void sync(const EventPtr& event) {

@@ -178,6 +178,13 @@ class CudaCopyStream final : public CopyStream {
     }
     enter([&] { at::_foreach_copy_(dst, src); });
   }
+  EventPtr copy_after(const std::vector<EventPtr>& deps, const std::vector<CopyOp>& ops,
+                      const std::vector<CopyOp>& split) override {
+    for (const auto& dep : deps) wait(dep);  // GPU events: queued; host events: done by now
+    copy(ops);
+    if (!split.empty()) this->split(split);
+    return record(false);
+  }
   void enter(const std::function<void()>& fn) override {
     c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromExternal(stream_, device_));
     fn();
@@ -320,13 +327,7 @@ class CudaBackend : public Backend {
   }
 
   void current_wait(c10::Device device, const EventPtr& event) override {
-    if (event == nullptr) return;
-    if (auto* chained = dynamic_cast<ChainedEvent*>(event.get()); chained && device.is_cuda()) {
-      // Copies the I/O thread issues: the host waits only until they are issued.
-      if (!chained->issued()) ++counters.syncs;
-      chained->wait_current(device.index());
-      return;
-    }
+    if (event == nullptr || wait_chained(device, event)) return;
     if (device.is_cpu() || !as_cuda(event)) {
       if (!event->query()) sync(event);
       return;

@@ -23,6 +23,24 @@ void HostCopyStream::wait(const EventPtr& event) {
   stream_.wait_event(event);
 }
 
+namespace {
+
+void run_copies(const std::vector<CopyOp>& ops, int64_t delay_us) {
+  for (const auto& op : ops) {
+    if (delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
+    for (size_t r = 0; r < op.rows; ++r) {
+      std::memcpy(static_cast<char*>(op.dst) + r * op.dst_pitch,
+                  static_cast<const char*>(op.src) + r * op.src_pitch, op.bytes);
+    }
+  }
+}
+
+void run_split(const std::vector<CopyOp>& ops) {
+  for (const auto& op : ops) std::memcpy(op.dst, op.src, op.bytes);
+}
+
+}  // namespace
+
 void HostCopyStream::copy(const std::vector<CopyOp>& ops) {
   counters_.copy_calls += ops.size();
   // One task for the whole batch: the host analogue of a batch of copy calls.
@@ -30,13 +48,7 @@ void HostCopyStream::copy(const std::vector<CopyOp>& ops) {
     if (g_fail_tasks.load() > 0 && g_fail_tasks.fetch_sub(1) > 0) {
       throw std::runtime_error("injected copy-task failure (tests)");
     }
-    for (const auto& op : ops) {
-      if (delay > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay));
-      for (size_t r = 0; r < op.rows; ++r) {
-        std::memcpy(static_cast<char*>(op.dst) + r * op.dst_pitch,
-                    static_cast<const char*>(op.src) + r * op.src_pitch, op.bytes);
-      }
-    }
+    run_copies(ops, delay);
   });
   if (g_fail_copies.load() > 0 && g_fail_copies.fetch_sub(1) > 0) {
     TORCH_CHECK(false, "offcache: injected copy failure (tests)");
@@ -50,9 +62,21 @@ EventPtr HostCopyStream::record(bool) {
 }
 
 void HostCopyStream::split(const std::vector<CopyOp>& ops) {
-  stream_.submit([ops] {
-    for (const auto& op : ops) std::memcpy(op.dst, op.src, op.bytes);
-  });
+  stream_.submit([ops] { run_split(ops); });
+}
+
+EventPtr HostCopyStream::copy_after(const std::vector<EventPtr>& deps,
+                                    const std::vector<CopyOp>& ops,
+                                    const std::vector<CopyOp>& split) {
+  for (const auto& dep : deps) {
+    if (dep == nullptr || dep->query()) continue;
+    ++counters_.stream_waits;
+    dep->wait();  // recorded before this call: its work never waits for the caller
+  }
+  counters_.copy_calls += ops.size();
+  run_copies(ops, copy_delay_us_);
+  run_split(split);
+  return nullptr;
 }
 
 void HostCopyStream::synchronize_noexcept() noexcept {
@@ -76,9 +100,9 @@ EventPtr HostBackend::record_current(c10::Device) {
   return HostEvent::completed();
 }
 
-void HostBackend::current_wait(c10::Device, const EventPtr& event) {
-  if (event == nullptr || event->query()) return;
-  sync(event);
+void HostBackend::current_wait(c10::Device device, const EventPtr& event) {
+  if (event == nullptr || wait_chained(device, event)) return;
+  if (!event->query()) sync(event);
 }
 
 std::string HostBackend::stream_error() {

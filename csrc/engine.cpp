@@ -391,10 +391,7 @@ EventPtr Engine::issue_after_reads(Dir dir, CopyStream& stream, std::vector<Even
     backend_->prepare_io_thread();
     EventPtr done;
     try {
-      for (const auto& dep : deps) stream.wait(dep);  // on CUDA a host event is complete by now
-      stream.copy(ops);
-      if (!split.empty()) stream.split(split);
-      done = stream.record(false);
+      done = stream.copy_after(deps, ops, split);
     } catch (const std::exception& e) {
       stream.synchronize_noexcept();  // what was queued lands before the chain completes
       chained->fail(std::string("issuing a disk-tier fetch: ") + e.what());

@@ -82,6 +82,10 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
   }
 
   std::vector<EventPtr> done_events;
+  // Host memory last: its group may be issued by the I/O thread (disk blocks), so its
+  // event, then the whole fetch's, is a ChainedEvent that no earlier group waits on.
+  std::stable_partition(source_devices.begin(), source_devices.end(),
+                        [](c10::Device d) { return !d.is_cpu(); });
   for (c10::Device from : source_devices) {
     // Segments: a host block's values move as one span while it stays dense enough.
     std::vector<Segment> segments;
@@ -200,7 +204,9 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
     deps.insert(deps.end(), done_events.begin(), done_events.end());
     size_t total = 0;
     for (const CopyOp& op : ops) total += op.total();
-    throttle(total, dir);  // bounded per direction, like stores
+    // Bounded per direction, like stores (a disk group's bounce buffers are its own):
+    // past the bound this may wait for an earlier fetch's disk reads.
+    throttle(total, dir);
     EventPtr done = bounces.empty()
                         ? issue(dir, stream, deps, ops, std::move(keepalive), split)
                         : issue_after_reads(dir, stream, deps, ops, std::move(keepalive), split);

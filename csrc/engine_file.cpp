@@ -206,10 +206,7 @@ Engine::Fetched Engine::fetch_file(const std::string& path, const std::vector<in
   if (!device.is_cpu()) {
     for (const at::Tensor& t : out) backend_->hand_over(t, device);
   }
-  if (wait) {
-    if (!chained->issued()) ++backend_->counters.syncs;  // the caller waits for the disk
-    chained->wait_current(device.is_cpu() ? -1 : device.index());
-  }
+  if (wait) backend_->current_wait(device, chained);  // raises if a read failed
   return {std::move(out), chained};
 }
 

@@ -11,6 +11,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 
@@ -440,3 +441,31 @@ def test_a_disk_fetch_does_not_hold_up_the_copy_stream(engine_config, disk_dir):
     assert torch.equal(got_small, torch.arange(1000.0))
     big_ticket.wait()
     assert torch.equal(got_big, big)
+
+
+def test_disk_fetch_then_a_write_and_a_fetch_of_its_memory_neighbour_do_not_deadlock(engine_config, disk_dir):
+    """A fetch of a memory value and a disk value, then copy_into the memory value (its write
+    waits for that fetch's read), then a fetch of it (waits for the write): the disk group's
+    copies must not queue behind waits that follow them (a host stream's waits block it)."""
+    engine_config(backend="host", pinned_limit="256MiB", min_chunk="1MiB", host_limit="8MiB", disk_dir=disk_dir)
+    (m,) = _engine.store([torch.arange(1000.0)], CPU)  # in memory
+    (b,) = _engine.store([torch.randn(24 * MiB)], CPU)  # 96 MiB: on disk
+    assert _engine.is_disk_tensor(b) and not _engine.is_disk_tensor(m)
+    offcache.synchronize()
+    result = {}
+
+    def run():
+        (got_m, got_b), first = _engine.fetch([m, b], CPU, wait=False)
+        written = _engine.copy_into([m], [torch.full((1000,), 7.0)])
+        (again,), second = _engine.fetch([m], CPU, wait=False)
+        for ticket in (first, written, second):
+            ticket.wait()
+        _engine.wait_stored(m)
+        result.update(got_m=got_m, got_b=got_b, again=again)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(60)
+    assert not worker.is_alive(), "deadlocked"
+    assert torch.equal(result["got_m"], torch.arange(1000.0)) and torch.equal(result["got_b"], b)
+    assert torch.equal(result["again"], torch.full((1000,), 7.0))

@@ -63,7 +63,7 @@ def check(out, items, data):
 
 
 def run_py(code, timeout=30):
-    """Runs `code` in a fresh interpreter (the worktree's offcache); (returncode, output). rc None: hung."""
+    """Runs `code` in a fresh interpreter (this checkout's offcache); (returncode, output). rc None: hung."""
     env = dict(os.environ, PYTHONPATH=REPO, PYTHONFAULTHANDLER="1")
     try:
         p = subprocess.run(
