@@ -14,10 +14,10 @@
   asynchronous copy back into the same arena block. Everything else (``__getitem__``,
   ``keep_onloaded_values``, the ``disable_*`` contexts, ``__delitem__``) is the base class's.
 - ``OffcacheDiskCache`` is ``DiskCache`` with its onload reading the checkpoint's safetensors
-  file through the engine (``fetch_file``: O_DIRECT pieces into pinned bounce buffers, each
-  piece's H2D copy issued by the engine's I/O thread as soon as it is read, so it can be
-  prefetched and never blocks the caller on the disk); its index, symlinks and update files
-  are DiskCache's.
+  file through the engine (``fetch_file``: 8 MiB pieces, from the page cache or O_DIRECT, into
+  pinned bounce buffers, each piece's H2D copy issued by the engine's I/O thread as soon as it
+  is read, so it can be prefetched and never blocks the caller on the disk); its index,
+  symlinks and update files are DiskCache's.
 - The sequential pipeline's subgraphs are learnt by wrapping ``trace_subgraphs``: after the
   first forward of subgraph *i*, the weights of subgraphs *i+1 .. i+k* are fetched on the
   engine's stream (``OFFCACHE_WEIGHT_PREFETCH``, default k=1; 0 turns prefetch off). An
@@ -411,11 +411,11 @@ class OffcacheDiskCache(DiskCache):
     The offloaded meta tensors, ``DiskCache.index``, the checkpoint symlinks and the files an
     update writes are compressed-tensors' own (other code reads them). An onload reads the
     tensor's bytes from its safetensors file with the engine's ``fetch_file`` (never copying the
-    file): the engine's I/O thread reads 8 MiB pieces (O_DIRECT where the file system allows it)
-    into pinned bounce buffers and issues each piece's copy to the device as soon as it is read.
-    The caller does not wait for the disk, so a prefetch reads the next subgraph's weights while
-    this one computes. Updates write files as DiskCache does; a prefetched copy of an updated
-    weight is dropped.
+    file): the engine's I/O thread reads 8 MiB pieces (from the page cache where they are
+    there, else O_DIRECT where the file system allows it) into pinned bounce buffers and
+    issues each piece's copy to the device as soon as it is read. The caller does not wait for
+    the disk, so a prefetch reads the next subgraph's weights while this one computes. Updates
+    write files as DiskCache does; a prefetched copy of an updated weight is dropped.
     """
 
     def onload(self, offloaded: Tensor | None) -> Tensor | None:
