@@ -5,6 +5,21 @@ from __future__ import annotations
 import torch
 
 
+def fill(model, cache, prompt):
+    """`cache` after one forward of `prompt` (the prompt-reuse recipe's first step)."""
+    with torch.no_grad():
+        model(input_ids=prompt, past_key_values=cache, use_cache=True)
+    return cache
+
+
+def copier(how: str):
+    """A cache copier: ``copy.deepcopy`` for "deepcopy", else a pickle round trip."""
+    import copy
+    import pickle
+
+    return copy.deepcopy if how == "deepcopy" else (lambda c: pickle.loads(pickle.dumps(c)))
+
+
 def select_repeat_decode(model, cache, ids):
     """Prefill `ids` (3 rows), keep rows [2, 0], decode 4 steps, repeat each row twice, decode
     8 more: the last two rows' tokens. Drives batch_select_indices and batch_repeat_interleave."""

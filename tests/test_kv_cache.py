@@ -7,7 +7,7 @@ import offcache
 import offcache.kv_cache
 from offcache import _engine
 from offcache.bench.models import causal_lm
-from tests.kv_models import select_repeat_decode
+from tests.kv_models import copier, fill, select_repeat_decode
 
 transformers = pytest.importorskip("transformers")
 
@@ -258,12 +258,6 @@ def test_crop_follows_transformers_rules(engine):
     assert_same_layers(cache, ref)
 
 
-def fill_then_copy(model, cache, prompt, copier):
-    with torch.no_grad():
-        model(input_ids=prompt, past_key_values=cache, use_cache=True)
-    return copier(cache)
-
-
 @pytest.mark.parametrize("engine", ["host", "host-1MiB-slow"], indirect=True)
 @pytest.mark.parametrize("layers", [1, 3])
 @pytest.mark.parametrize("kind, offload_sliding", [("llama", False), ("mistral", True)])
@@ -271,18 +265,17 @@ def fill_then_copy(model, cache, prompt, copier):
 def test_copied_cache_generates_like_dynamic_cache(engine, layers, kind, offload_sliding, how):
     """The prompt-reuse recipe: fill, deepcopy (or pickle), generate from the copy; twice from one prompt."""
     import copy
-    import pickle
 
-    copier = copy.deepcopy if how == "deepcopy" else (lambda c: pickle.loads(pickle.dumps(c)))
+    copy_of = copier(how)
     shape = {"num_hidden_layers": layers, **({"sliding_window": 8} if kind == "mistral" else {})}
     model = causal_lm(kind, **shape)
     prompt, ids = random_ids(1, 6, seed=8), random_ids(1, 9, seed=8)
     ids[:, :6] = prompt
-    ref = fill_then_copy(model, transformers.DynamicCache(config=model.config), prompt, copy.deepcopy)
+    ref = copy.deepcopy(fill(model, transformers.DynamicCache(config=model.config), prompt))
     want = run(model, ids, ref, 10)
-    filled = offcache.OffloadedKVCache(config=model.config, offload_sliding=offload_sliding)
-    copied = fill_then_copy(model, filled, prompt, copier)
+    filled = fill(model, offcache.OffloadedKVCache(config=model.config, offload_sliding=offload_sliding), prompt)
+    copied = copy_of(filled)
     assert torch.equal(run(model, ids, copied, 10), want)
     assert_same_layers(copied, ref)
-    assert torch.equal(run(model, ids, copier(filled), 10), want)  # the original is intact
+    assert torch.equal(run(model, ids, copy_of(filled), 10), want)  # the original is intact
     assert torch.equal(run(model, ids, filled, 10), want)

@@ -8,7 +8,7 @@ import offcache.static_kv_cache
 from offcache import _engine
 from offcache.bench.models import causal_lm
 from offcache.static_kv_cache import OffloadedStaticKVCache
-from tests.kv_models import select_repeat_decode
+from tests.kv_models import copier, fill, select_repeat_decode
 
 transformers = pytest.importorskip("transformers")
 
@@ -372,12 +372,6 @@ def test_batch_select_and_repeat_same_tokens_as_dynamic_cache(engine, kind, offl
         assert_same_layers(ours, ref, exact=False)
 
 
-def fill(model, cache, prompt):
-    with torch.no_grad():
-        model(input_ids=prompt, past_key_values=cache, use_cache=True)
-    return cache
-
-
 @pytest.mark.parametrize("engine", ["host", "host-1MiB-slow"], indirect=True)
 @pytest.mark.parametrize("layers", [1, 3])
 @pytest.mark.parametrize("kind, offload_sliding", [("llama", False), ("mistral", True)])
@@ -385,9 +379,8 @@ def fill(model, cache, prompt):
 def test_copied_cache_generates_like_static_cache(engine, layers, kind, offload_sliding, how):
     """The prompt-reuse recipe: fill, deepcopy (or pickle), generate from the copy."""
     import copy
-    import pickle
 
-    copier = copy.deepcopy if how == "deepcopy" else (lambda c: pickle.loads(pickle.dumps(c)))
+    copy_of = copier(how)
     model = causal_lm(kind, num_hidden_layers=layers, **({"sliding_window": 8} if kind == "mistral" else {}))
     prompt, ids = random_ids(1, 6, seed=8), random_ids(1, 9, seed=8)
     ids[:, :6] = prompt
@@ -395,10 +388,10 @@ def test_copied_cache_generates_like_static_cache(engine, layers, kind, offload_
     want = run(model, ids, ref, 10)
     ours = OffloadedStaticKVCache(config=model.config, max_cache_len=24, offload_sliding=offload_sliding)
     filled = fill(model, ours, prompt)
-    copied = copier(filled)
+    copied = copy_of(filled)
     assert torch.equal(run(model, ids, copied, 10), want)
     assert_same_layers(copied, ref)
-    assert torch.equal(run(model, ids, copier(filled), 10), want)  # the original is intact
+    assert torch.equal(run(model, ids, copy_of(filled), 10), want)  # the original is intact
     assert torch.equal(run(model, ids, filled, 10), want)
 
 
