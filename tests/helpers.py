@@ -114,3 +114,12 @@ def checkpoint_disk_cache(folder, weights: dict, dtypes: dict | None = None):
         with disable_onloading():
             cache[name] = meta
     return cache, checkpoint
+
+
+def random_file(path, nbytes: int, seed: int = 0):
+    """Writes `nbytes` random bytes (numpy's generator, `seed`) to `path`; returns them (uint8 array)."""
+    import numpy as np
+
+    data = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+    data.tofile(path)
+    return data

@@ -20,6 +20,7 @@ import torch
 
 import offcache
 from offcache import _C, _engine
+from tests.helpers import random_file
 
 CPU = torch.device("cpu")
 MiB = 1 << 20
@@ -31,10 +32,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def write_random(path, nbytes, seed=0):
-    data = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
-    with open(path, "wb") as f:
-        f.write(data)
-    return data
+    return random_file(path, nbytes, seed).tobytes()  # bytes: the tests compare raw bytes
 
 
 def raw(t: torch.Tensor) -> bytes:

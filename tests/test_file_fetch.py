@@ -18,17 +18,12 @@ from hypothesis import strategies as st
 
 import offcache
 from offcache import _engine
+from tests.helpers import random_file
 
 CPU = torch.device("cpu")
 MiB = 1 << 20
 PIECE = 8 * MiB
 DTYPES = [torch.float32, torch.bfloat16, torch.int16, torch.uint8, torch.float64, torch.bool, torch.float8_e4m3fn]
-
-
-def write_random(path, nbytes, seed=0):
-    data = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
-    data.tofile(path)
-    return data
 
 
 def expected(data, offset, shape, dtype):
@@ -47,7 +42,7 @@ def same_bytes(got, want):
 def big_file(tmp_path_factory):
     """A 21 MiB + 123 byte file: three pieces, its end not aligned."""
     path = tmp_path_factory.mktemp("fetch-file") / "blob.bin"
-    return str(path), write_random(path, 21 * MiB + 123, seed=1)
+    return str(path), random_file(path, 21 * MiB + 123, seed=1)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -82,7 +77,7 @@ def test_every_range_reads_the_files_bytes(host_engine, big_file, items):
 def test_pieces_across_the_ring_and_unaligned_edges(host_engine, tmp_path):
     # 70 MiB: nine pieces, so the ring's slots are read into again; tensors straddle pieces.
     path = tmp_path / "w.bin"
-    data = write_random(path, 70 * MiB + 5, seed=2)
+    data = random_file(path, 70 * MiB + 5, seed=2)
     items = [(3, [PIECE], torch.uint8), (PIECE - 1, [2], torch.uint8), (11 * MiB + 1, [14 * MiB // 4], torch.float32)]
     items += [(0, [len(data)], torch.uint8), (len(data) - 5, [5], torch.uint8), (len(data), [0], torch.uint8)]
     items += [(17, [], torch.int16), (40 * MiB, [3, 0, 2], torch.float32)]  # a scalar, an empty tensor
@@ -123,7 +118,7 @@ def test_the_caller_does_not_wait_for_the_reads(engine_config, tmp_path):
     # first piece's copy is done, the ticket not complete and not even issued.
     engine_config(backend="host", host_copy_delay_us=40_000)
     path = tmp_path / "slow.bin"
-    data = write_random(path, 9 * PIECE, seed=4)
+    data = random_file(path, 9 * PIECE, seed=4)
     out, ticket = _engine.fetch_file(path, [(0, [len(data)], torch.uint8)], CPU, wait=False)
     assert not ticket.query() and not ticket.issued()
     syncs = offcache.stats()["syncs"]
@@ -159,7 +154,7 @@ def test_a_file_truncated_mid_fetch_fails_that_fetch_only(engine_config, tmp_pat
     # Slowed copies hold the I/O thread at the ring's ninth piece; the file shrinks meanwhile.
     engine_config(backend="host", host_copy_delay_us=50_000)
     path = tmp_path / "shrinks.bin"
-    data = write_random(path, 10 * PIECE, seed=5)
+    data = random_file(path, 10 * PIECE, seed=5)
     out, ticket = _engine.fetch_file(path, [(0, [10 * PIECE], torch.uint8)], CPU, wait=False)
     os.truncate(path, PIECE)
     with pytest.raises(RuntimeError, match="shrinks.bin.*unexpected end of file"):
@@ -184,7 +179,7 @@ def test_disk_tier_fetches_and_file_fetches_interleaved(engine_config, tmp_path)
     disk.mkdir()
     engine_config(backend="host", pinned_limit="1MiB", host_limit=0, disk_dir=disk, host_copy_delay_us=2_000)
     path = tmp_path / "ring.bin"
-    data = write_random(path, 12 * PIECE, seed=7)
+    data = random_file(path, 12 * PIECE, seed=7)
     stored = _engine.store([torch.full((MiB,), float(i)) for i in range(3)], CPU)
     assert all(_engine.is_disk_tensor(t) for t in stored)
     offcache.synchronize()
@@ -237,7 +232,7 @@ def test_threads_fetching_one_file_at_once(host_engine, big_file):
 
 def test_page_cache_first_then_o_direct(host_engine, tmp_path):
     path = tmp_path / "direct.bin"
-    data = write_random(path, 3 * MiB, seed=6)
+    data = random_file(path, 3 * MiB, seed=6)
     # Just written: in the page cache, served from it (no disk read).
     before = offcache.stats()
     (got,), _ = _engine.fetch_file(path, [(1, [3 * MiB - 1], torch.uint8)], CPU)
@@ -269,7 +264,7 @@ def test_no_caller_waits_for_another_fetch_files_disk_reads(engine_config, tmp_p
     # does not (its staging is the ring): the second call returns while the first is in flight.
     engine_config(backend="host", host_copy_delay_us=40_000, max_in_flight="1MiB")
     path = tmp_path / "bound.bin"
-    data = write_random(path, 9 * PIECE, seed=8)
+    data = random_file(path, 9 * PIECE, seed=8)
     (a,), first = _engine.fetch_file(path, [(0, [len(data)], torch.uint8)], CPU, wait=False)
     (b,), second = _engine.fetch_file(path, [(1, [len(data) - 1], torch.uint8)], CPU, wait=False)
     assert not first.query(), "the second fetch_file waited for the first one's reads"

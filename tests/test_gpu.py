@@ -6,7 +6,7 @@ import torch
 
 import offcache
 from offcache import IntermediatesCache, _engine
-from tests.helpers import CPU, assert_same
+from tests.helpers import CPU, assert_same, random_file
 
 pytestmark = pytest.mark.gpu
 
@@ -473,18 +473,10 @@ def test_update_does_not_wait_for_a_large_prefetch_in_flight(engine_config):
 # --- fetch_file: a checkpoint's byte ranges onto the GPU ----------------------------------------
 
 
-def _random_file(path, nbytes, seed):
-    import numpy as np
-
-    data = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
-    data.tofile(path)
-    return torch.from_numpy(data)
-
-
 def test_fetch_file_to_the_gpu_across_the_ring(tmp_path):
     # 75 MiB + 3: ten pieces (the ring's eight slots read into again), unaligned ranges.
     path = tmp_path / "w.bin"
-    data = _random_file(path, 75 * (1 << 20) + 3, seed=1)
+    data = torch.from_numpy(random_file(path, 75 * (1 << 20) + 3, seed=1))
     items = [(3, [data.numel() - 3], torch.uint8), (8 * (1 << 20) - 2, [4], torch.uint8)]
     items.append((100, [2048, 3], torch.bfloat16))
     out, ticket = _engine.fetch_file(path, items, DEV, wait=False)
@@ -499,7 +491,7 @@ def test_fetch_file_to_the_gpu_across_the_ring(tmp_path):
 
 def test_fetch_file_orders_a_side_streams_use_and_keeps_outputs_alive(tmp_path):
     path = tmp_path / "s.bin"
-    data = _random_file(path, 40 * (1 << 20), seed=2)
+    data = torch.from_numpy(random_file(path, 40 * (1 << 20), seed=2))
     side = torch.cuda.Stream(DEV)
     with torch.cuda.stream(side):
         (got,), ticket = _engine.fetch_file(path, [(0, [data.numel()], torch.uint8)], DEV, wait=False)
