@@ -28,6 +28,8 @@ WHEELS=(
   dill==0.4.1                 # datasets' hashing and pickling ...
   multiprocess==0.70.19       # ... and its process pool
   hypothesis==6.170.17        # the property tests, at the version CI runs
+  pytest-xdist==3.8.0         # the device check's test steps on every core ...
+  execnet==2.1.2              # ... and its process pool
 )
 
 mkdir -p "$DEST"

@@ -61,7 +61,7 @@ class Shape:
         if ctx.tiny:  # tests/test_llmcompressor_oneshot.py's model (GPTQ groups of 128 need hidden >= 128)
             return cls(128, 256, 3, 4, 2, 96, 6, 24)
         if ctx.gpu:
-            return cls(2048, 5632, 6, 16, 4, 32000, 128, 512)
+            return cls(2048, 5632, 4 if ctx.quick else 6, 16, 4, 32000, 64 if ctx.quick else 128, 512)
         return cls(256, 512, 3 if ctx.quick else 4, 4, 2, 512, 8 if ctx.quick else 16, 64 if ctx.quick else 128)
 
 
