@@ -79,6 +79,7 @@ class Boundary:
     targets: str  # the sequential targets the subgraph runs, e.g. "model.layers.3"
     values: dict[str, str]  # name -> shapes and dtypes, e.g. "2x24x128 float32"
     batch_bytes: int  # the first batch's values, each tensor once
+    tensors: int  # distinct tensors among them (one mask under several layers' names is one)
     total_bytes: int  # over every batch
     cache_peak_bytes: int  # the most the cache holds while this subgraph's outputs are stored
     weight_bytes: int  # the weights the subgraph runs (onloaded for it when offloaded)
@@ -333,8 +334,15 @@ def _host_limit_text(n: int) -> str:
     return f"{gib}GiB" if gib * GiB <= n + GiB // 4 else f"{-(-n // (1 << 20))}MiB"
 
 
-def _advice(p_peak: int, tiers: Tiers, weights: Weights, method: str, reason: str, bounded: bool) -> list[str]:
+def _advice(p_peak: int, tiers: Tiers, weights: Weights, method: str, reason: str, bounded: bool,
+            in_flight: int) -> list[str]:  # fmt: skip
     out = []
+    if in_flight:
+        out.append(
+            f"On this machine, with the model on the CPU, each store's snapshot lives in host memory until its copy "
+            f"lands: the peak counts the one being stored; copies still in flight when the machine is busy can hold "
+            f"up to OFFCACHE_MAX_IN_FLIGHT ({_h(in_flight)}) more (an upper bound of {_h(p_peak + in_flight)})."
+        )
     if method == "formula":
         out.append(f"Stored values from the Llama formula (fallback), not from the model: {reason}.")
     if bounded:
@@ -345,14 +353,15 @@ def _advice(p_peak: int, tiers: Tiers, weights: Weights, method: str, reason: st
     if tiers.disk_bytes and p_peak <= free:
         need = _host_limit_text(p_peak)
         out.append(
-            f"The cache peak ({_h(p_peak)}) fits in this machine's memory ({_h(free)} beside the weights held there) "
+            f"On this machine, the cache peak ({_h(p_peak)}) fits in memory ({_h(free)} beside the weights held there) "
             f"but not under the host limit ({_h(tiers.host_limit_bytes)}): OFFCACHE_HOST_LIMIT={need} keeps it in "
             "memory, with no disk tier."
         )
     disk_need = tiers.disk_bytes + weights.disk_bytes
     if not tiers.fits or (weights.disk_bytes and disk_need > tiers.disk_free_bytes):
         out.append(
-            f"DOES NOT FIT: weights ({_h(weights.total_bytes)}) and cache ({_h(p_peak)}) need {_h(disk_need)} on disk "
+            f"On this machine, it DOES NOT FIT: weights ({_h(weights.total_bytes)}) and cache ({_h(p_peak)}) "
+            f"need {_h(disk_need)} on disk "
             f"past this machine's memory ({_h(tiers.memory_bytes)}), and the disk tier has "
             f"{_h(tiers.disk_free_bytes) if tiers.disk_dir else 'none'}: set OFFCACHE_DISK_DIR to a disk with room, "
             "use fewer samples or a shorter --seq-len."
@@ -434,7 +443,7 @@ def estimate(
         total = sum(sum(n for _, n in _distinct(per_size[b][k].outputs)) for b in sizes)
         boundaries.append(Boundary(
             subgraph=k, targets=_targets(sg.targets), values=dict(sg.shapes), weight_bytes=sg.weight_bytes,
-            batch_bytes=sum(n for _, n in _distinct(sg.outputs)), total_bytes=total,
+            batch_bytes=sum(n for _, n in _distinct(sg.outputs)), tensors=len(_distinct(sg.outputs)), total_bytes=total,
             cache_peak_bytes=replay.peaks[k + 1],
         ))  # fmt: skip
     d2h, h2d = replay.d2h_bytes, replay.h2d_bytes
@@ -456,7 +465,8 @@ def estimate(
         disk_source="given" if disk_given else DISK_SOURCE,
         seconds_pinned=(d2h + h2d) / (pinned_gbps * 1e9), seconds_pageable=(d2h + h2d) / (pageable_gbps * 1e9),
         seconds_disk=disk_seconds, seconds_weights=weight_seconds,
-        advice=_advice(replay.peak_bytes, tiers, weights, method, reason, bounded),
+        advice=_advice(replay.peak_bytes, tiers, weights, method, reason, bounded,
+                       settings.get("max_in_flight", 0) if onload == "cpu" else 0),  # fmt: skip
     )  # fmt: skip
 
 

@@ -11,6 +11,11 @@ from pathlib import Path
 from offcache import plan as _plan
 from offcache.plan import _h, _seconds
 
+# The lines whose numbers depend on the machine (its memory, GPU, disk, offcache's configuration);
+# every other line is the planner's arithmetic on the model and the run.
+MACHINE_LINES = ("This machine:", "  the peak would use:", "  placed:", "  disk tier (this machine", "  weight onloads",
+                 "Advice: On this machine")  # fmt: skip
+
 
 def render(p: _plan.Plan) -> str:
     """The plan as the text ``python -m offcache.plan`` prints."""
@@ -39,39 +44,43 @@ def render(p: _plan.Plan) -> str:
             runs.append([b])
     for run in runs:
         b = run[0]
-        which = f"subgraph {b.subgraph}" if len(run) == 1 else f"subgraphs {b.subgraph}-{run[-1].subgraph}"
+        which = f"subgraph {b.subgraph} ({b.targets})"
+        if len(run) > 1:  # the values' names are the first subgraph's
+            which = f"subgraphs {b.subgraph}-{run[-1].subgraph} ({b.targets} .. {run[-1].targets})"
         values = "; ".join(f"{name} {desc}" for name, desc in b.values.items()) if len(b.values) <= 8 else \
-            f"{len(b.values)} values"  # fmt: skip
+            f"{len(b.values)} values ({b.tensors} distinct tensors)"  # fmt: skip
         out.append(
-            f"  {which} ({b.targets}): {values} = {b.batch_bytes} bytes/batch, {_h(b.total_bytes)} total; "
+            f"  {which}: {values} = {b.batch_bytes} bytes/batch, {_h(b.total_bytes)} total; "
             f"cache peak {_h(b.cache_peak_bytes)}; weights {_h(b.weight_bytes)}"
         )
     if w.per_subgraph:
         out.append(f"  last subgraph {len(w.per_subgraph) - 1}: stores nothing; weights {_h(w.per_subgraph[-1])}")
     out.append(f"Cache peak: {_h(p.cache_peak_bytes)}")
     not_walked = max(w.total_bytes - w.walked_bytes, 0)
-    where = {"gpu": "all on the GPU (no onloads)", "cpu": "in host memory", "cpu+disk": "host memory and disk"}
     line = f"Weights: {_h(w.total_bytes)} in total"
     if not_walked:
         line += f" ({_h(not_walked)} in modules the pipeline does not walk, e.g. a vision tower)"
-    line += f"; largest subgraph {_h(max(w.per_subgraph, default=0))}; {where[w.placement]}"
-    if p.onload == "cuda":
-        line += f" [GPU {_h(w.gpu_bytes)}, {w.gpu_source}; weights go on it when <= 90% of it (assumed)]"
-    out.append(line)
-    if w.placement != "gpu" and p.onload == "cuda":
-        out.append(f"  host memory {_h(w.ram_bytes)}, disk {_h(w.disk_bytes)}; onloaded per subgraph: "
-                   f"{_h(w.onload_bytes)} ({_h(w.onload_disk_bytes)} from disk)")  # fmt: skip
+    out.append(line + f"; largest subgraph {_h(max(w.per_subgraph, default=0))}")
+    if p.onload == "cpu":
+        out.append("  placed: in host memory (the model runs on the CPU: no onloads)")
+    elif w.placement == "gpu":
+        out.append(f"  placed: all on the GPU, no onloads [GPU {_h(w.gpu_bytes)}, {w.gpu_source}; "
+                   f"weights go on it when <= 90% of it (assumed)]")  # fmt: skip
+    else:
+        out.append(f"  placed: offloaded, host memory {_h(w.ram_bytes)}, disk {_h(w.disk_bytes)}; onloaded per "
+                   f"subgraph: {_h(w.onload_bytes)} ({_h(w.onload_disk_bytes)} from disk) [GPU {_h(w.gpu_bytes)}, "
+                   f"{w.gpu_source}: they do not fit 90% of it]")  # fmt: skip
     disk = f"{t.disk_dir} ({_h(t.disk_free_bytes)} free)" if t.disk_dir else f"none ({t.disk_auto_reason or 'off'})"
     out += [
         f"This machine: memory {_h(t.memory_bytes)} (RAM or cgroup limit); pinned budget {_h(t.pinned_limit_bytes)}, "
         f"host limit {_h(t.host_limit_bytes)}, disk tier {disk}",
         f"  the peak would use: pinned {_h(t.pinned_bytes)}, pageable {_h(t.pageable_bytes)}, disk {_h(t.disk_bytes)}",
-        f"Transfers: D2H {_h(p.d2h_bytes)}, H2D {_h(p.h2d_bytes)}; disk tier writes {_h(p.disk_write_bytes)}, "
-        f"reads {_h(p.disk_read_bytes)}",
+        f"Transfers: D2H {_h(p.d2h_bytes)}, H2D {_h(p.h2d_bytes)}",
         f"  at {p.pinned_gbps:g} GB/s pinned: {_seconds(p.seconds_pinned)}   [{p.pinned_source}]",
         f"  at {p.pageable_gbps:g} GB/s pageable: {_seconds(p.seconds_pageable)}   [{p.pageable_source}]",
-        f"  disk tier at {p.disk_write_gbps:g} GB/s write, {p.disk_read_gbps:g} GB/s read: "
-        f"{_seconds(p.seconds_disk)}   [{p.disk_source}]",
+        f"  disk tier (this machine's limits): writes {_h(p.disk_write_bytes)}, reads {_h(p.disk_read_bytes)}, "
+        f"at {p.disk_write_gbps:g} GB/s write, {p.disk_read_gbps:g} GB/s read: {_seconds(p.seconds_disk)}   "
+        f"[{p.disk_source}]",
         f"  weight onloads (host part at {p.pageable_gbps:g} GB/s pageable, disk part at {p.disk_read_gbps:g} GB/s): "
         f"{_seconds(p.seconds_weights)}",
     ]

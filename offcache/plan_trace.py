@@ -116,15 +116,15 @@ def trace(config, dtype: torch.dtype, batch: int, seq: int, sequential_targets=N
 
 def trace_model(model, batch: int, seq: int, sequential_targets=None, targets_per_subgraph: int = 1) -> Traced:
     """trace() of a model already built (on meta, or with real weights: then run() runs for real)."""
-    from compressed_tensors.utils.match import match_named_modules
-    from llmcompressor.args.dataset_arguments import DatasetArguments
-    from llmcompressor.pipelines.sequential.helpers import trace_subgraphs
-    from llmcompressor.utils.pytorch.module import infer_sequential_targets
+    with _quiet():  # llm-compressor logs (to stdout) when imported and while it traces
+        from compressed_tensors.utils.match import match_named_modules
+        from llmcompressor.args.dataset_arguments import DatasetArguments
+        from llmcompressor.pipelines.sequential.helpers import trace_subgraphs
+        from llmcompressor.utils.pytorch.module import infer_sequential_targets
 
-    dtype = next(model.parameters()).dtype
-    device = next(model.parameters()).device
-    targets = infer_sequential_targets(model, sequential_targets)
-    with _quiet():
+        dtype = next(model.parameters()).dtype
+        device = next(model.parameters()).device
+        targets = infer_sequential_targets(model, sequential_targets)
         subgraphs = trace_subgraphs(
             model, sample_input(batch, seq, device), targets, DatasetArguments().tracing_ignore, targets_per_subgraph
         )

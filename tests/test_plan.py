@@ -101,6 +101,8 @@ def test_the_peak_holds_subgraph_0s_block_and_one_layer_of_hidden_states():
     assert p.boundaries[-1].cache_peak_bytes == first.total_bytes + later.total_bytes + later.batch_bytes
     on_cpu = plan.estimate(shape=shape, samples=8, seq_len=64, onload="cpu")
     assert on_cpu.cache_peak_bytes == p.cache_peak_bytes + later.batch_bytes  # the snapshot is host memory too
+    assert any("OFFCACHE_MAX_IN_FLIGHT" in a for a in on_cpu.advice)  # more snapshots may be in flight
+    assert not any("OFFCACHE_MAX_IN_FLIGHT" in a for a in p.advice)
 
 
 def test_the_dtype_and_the_batch_size_change_what_is_stored():
@@ -172,14 +174,14 @@ def test_tiers_disk_time_and_advice_follow_the_configuration(engine_config, tmp_
     t = p.tiers
     assert (t.pinned_bytes, t.pageable_bytes) == (1 << 20, 1 << 20) and t.disk_bytes == p.cache_peak_bytes - (2 << 20)
     assert not t.fits and t.disk_dir == "" and t.host_limit_bytes == offcache.stats()["host_limit_bytes"]
-    assert any(a.startswith("DOES NOT FIT") for a in p.advice)
+    assert any("DOES NOT FIT" in a for a in p.advice)
     assert any("OFFCACHE_HOST_LIMIT=" in a for a in p.advice)  # the peak fits in this machine's memory
     engine_config(backend="host", pinned_limit="1MiB", host_limit="2MiB", disk_dir=tmp_path)
     p = plan.estimate(shape=SHAPE, samples=64, seq_len=128, disk_write_gbps=1.0, disk_read_gbps=4.0)
     assert p.tiers.fits and p.tiers.disk_dir == str(tmp_path) and p.tiers.disk_free_bytes > 0
     assert 0 < p.disk_write_bytes <= p.d2h_bytes + 256 * 4 * 64 and 0 < p.disk_read_bytes <= p.h2d_bytes
     assert p.seconds_disk == pytest.approx(p.disk_write_bytes / 1e9 + p.disk_read_bytes / 4e9)
-    assert p.disk_source == "given" and not any(a.startswith("DOES NOT FIT") for a in p.advice)
+    assert p.disk_source == "given" and not any("DOES NOT FIT" in a for a in p.advice)
     engine_config(backend="host", host_limit=0, disk_dir=tmp_path)  # every block on disk
     p = plan.estimate(shape=SHAPE, samples=4, seq_len=16)
     assert p.disk_read_bytes == p.h2d_bytes and p.disk_write_bytes >= p.d2h_bytes
@@ -271,7 +273,7 @@ def test_the_command_line_prints_the_plan(tmp_path, capsys):
     p = plan.estimate(tmp_path, samples=6, seq_len=24, dtype="float32")  # a path works as well as a str
     assert f"Cache peak: {p.cache_peak_bytes} bytes" in text and "subgraph 0 (no target):" in text
     assert "traced from the model" in text and "published: NVIDIA H200" in text
-    assert f"Weights: {p.weights.total_bytes} bytes" in text and "disk tier at 2 GB/s write" in text
+    assert f"Weights: {p.weights.total_bytes} bytes" in text and "at 2 GB/s write, 2 GB/s read" in text
     assert "upper bound" in text
     with pytest.raises(SystemExit):
         plan.main(["--samples", "6", "--seq-len", "24"])  # neither --config nor the sizes
