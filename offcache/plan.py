@@ -294,8 +294,20 @@ def _subgraphs(config, shape, dtype, sizes, seq_len, sequential_targets, targets
     reason = ""
     if config is not None:
         try:
-            traced = plan_trace.trace(config, dtype, sizes[0], seq_len, sequential_targets, targets_per_subgraph)
-            per_size = {b: traced.run(b, seq_len) for b in sorted(set(sizes))}
+            try:
+                traced = plan_trace.trace(config, dtype, sizes[0], seq_len, sequential_targets, targets_per_subgraph)
+                traced.stand_ins = dtype.itemsize <= 2  # else the exact bf16 run below comes first
+                per_size = {b: traced.run(b, seq_len) for b in sorted(set(sizes))}
+            except Exception as exc:  # a meta kernel for bf16/fp16 only: run in bf16, report in `dtype`
+                if dtype.itemsize <= 2:
+                    raise
+                traced = plan_trace.trace(config, dtype, sizes[0], seq_len, sequential_targets, targets_per_subgraph,
+                                          run_dtype=torch.bfloat16)  # fmt: skip
+                per_size = {b: traced.run(b, seq_len) for b in sorted(set(sizes))}
+                traced.notes.append(
+                    f"run on meta tensors in bfloat16, reported as {str(dtype).replace('torch.', '')} (in "
+                    f"{str(dtype).replace('torch.', '')}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]})"
+                )
             return per_size, shape_of_config(config), "traced", "", traced.notes, (traced.weight_bytes_total,
                                                                                  traced.walked_bytes)  # fmt: skip
         except ImportError as exc:

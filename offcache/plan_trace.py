@@ -50,6 +50,8 @@ class Traced:
     notes: list[str] = field(default_factory=list)
     weight_bytes_total: int = 0
     walked_bytes: int = 0  # the weights of every module some subgraph runs, each once
+    run_dtype: torch.dtype | None = None  # the meta model's dtype when it is not `dtype` (see trace())
+    stand_ins: bool = True  # whether a target that cannot run on meta tensors is stood in for
     _cache: dict = field(default_factory=dict)
 
     def run(self, batch: int, seq: int) -> list[SubgraphValues]:
@@ -74,9 +76,16 @@ def leaves(value: Any, out: list | None = None) -> list[torch.Tensor]:
     return out
 
 
-def describe(tensors: list[torch.Tensor]) -> str:
+def _nbytes(traced: Traced, t: torch.Tensor) -> int:
+    if traced.run_dtype is not None and t.dtype == traced.run_dtype:
+        return t.numel() * _itemsize(traced.dtype)
+    return t.nbytes
+
+
+def describe(tensors: list[torch.Tensor], run_dtype=None, dtype=None) -> str:
     """'2x24x128 float32', or several of them in parentheses (a tuple such as rotary cos, sin)."""
-    parts = ["x".join(map(str, t.shape)) + " " + str(t.dtype).replace("torch.", "") for t in tensors]
+    names = [str(dtype if run_dtype is not None and t.dtype == run_dtype else t.dtype) for t in tensors]
+    parts = ["x".join(map(str, t.shape)) + " " + name.replace("torch.", "") for t, name in zip(tensors, names)]
     return parts[0] if len(parts) == 1 else "(" + ", ".join(parts) + ")" if parts else "no tensor"
 
 
@@ -104,14 +113,25 @@ def build_meta_model(config, dtype: torch.dtype):
     raise ValueError("transformers cannot build this config: " + "; ".join(errors))
 
 
-def trace(config, dtype: torch.dtype, batch: int, seq: int, sequential_targets=None, targets_per_subgraph: int = 1):
+def trace(config, dtype: torch.dtype, batch: int, seq: int, sequential_targets=None, targets_per_subgraph: int = 1,
+          run_dtype: torch.dtype | None = None) -> Traced:  # fmt: skip
     """Trace `config`'s model (built on meta in `dtype`) as llm-compressor's sequential pipeline does.
+
+    `run_dtype`: build the meta model in this dtype instead (some meta kernels take bf16/fp16
+    only) and report its `run_dtype` tensors as `dtype` ones (bytes scaled, names kept): the
+    model's dtype is the dtype of every floating tensor that follows it, and tensors a model
+    computes in float32 whatever its dtype stay float32 in both.
 
     `sequential_targets`: the pipeline's option (class names or module-name patterns, e.g.
     ["Linear"]); None is its default, the model's ``_no_split_modules``. Raises on a model
     llm-compressor cannot trace, with its error.
     """
-    return trace_model(build_meta_model(config, dtype), batch, seq, sequential_targets, targets_per_subgraph)
+    model = build_meta_model(config, run_dtype or dtype)
+    traced = trace_model(model, batch, seq, sequential_targets, targets_per_subgraph)
+    if run_dtype is not None and run_dtype != dtype:
+        traced.run_dtype, traced.dtype = run_dtype, dtype
+        traced.weight_bytes_total = _weight_bytes(_params_and_buffers(model.modules()), dtype)
+    return traced
 
 
 def trace_model(model, batch: int, seq: int, sequential_targets=None, targets_per_subgraph: int = 1) -> Traced:
@@ -156,6 +176,7 @@ def _quiet():
     import warnings
 
     try:
+        import llmcompressor  # noqa: F401  (it enables its logger when imported: first, then disabled)
         from loguru import logger
     except ImportError:  # pragma: no cover - loguru comes with llm-compressor
         logger = None
@@ -226,7 +247,7 @@ def _forward(traced: Traced, sg, values: dict) -> dict:
         return sg.forward(traced.model, **inputs)
     except Exception as exc:  # a data-dependent target: stand-ins for its layers
         stood = [(n, m) for n, m in _target_modules(traced, sg) if n in traced.target_names]
-        if not stood:
+        if not stood or not traced.stand_ins:
             raise
         note = (
             f"{type(stood[0][1]).__name__}'s output is taken to be shaped like its hidden-states input: "
@@ -248,8 +269,8 @@ def _values_of(traced: Traced, sg, index: int, result: dict, modules: list) -> S
         ids: dict[int, tuple[int, int]] = {}
         for name, value in result.items():
             tensors = leaves(value)
-            outputs[name] = [(ids.setdefault(id(t), (index, len(ids))), t.nbytes) for t in tensors]
-            shapes[name] = describe(tensors)
+            outputs[name] = [(ids.setdefault(id(t), (index, len(ids))), _nbytes(traced, t)) for t in tensors]
+            shapes[name] = describe(tensors, traced.run_dtype, traced.dtype)
     return SubgraphValues(
         input_names=sorted(sg.input_names),
         consumed_names=sorted(sg.consumed_names),

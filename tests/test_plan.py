@@ -145,17 +145,30 @@ def test_a_multimodal_config_plans_its_language_model():
     assert p.weights.total_bytes - p.weights.walked_bytes >= vision  # the vision tower is not walked
 
 
-def test_an_moe_layer_that_cannot_run_on_meta_is_stood_in_for_and_said_so():
+def test_a_layer_that_cannot_run_on_meta_in_float32_runs_in_bfloat16_and_is_said_so():
     config = config_of("mixtral")  # fp32 experts: grouped_mm's meta kernel takes bf16/fp16 only
     f32 = plan.estimate(config, samples=2, seq_len=8, dtype="float32")
-    assert f32.method == "traced" and any("MixtralDecoderLayer" in n for n in f32.notes)
-    assert "note: MixtralDecoderLayer" in plan.render(f32)
+    assert f32.method == "traced" and any("in bfloat16, reported as float32" in n for n in f32.notes)
+    assert "note: run on meta tensors in bfloat16" in plan.render(f32)
     b16 = plan.estimate(config, samples=2, seq_len=8, dtype="bfloat16")
     assert b16.notes == [] and [b.batch_bytes * 2 for b in b16.boundaries[1:]] == [
         b.batch_bytes for b in f32.boundaries[1:]
     ]
-    experts = config.num_local_experts
-    assert f32.weight_bytes_per_layer > experts * 3 * 128 * 256 * 4
+    assert f32.boundaries[1].values == {"model_layers_0": "1x8x128 float32"}  # batch size 1
+    assert f32.weights.total_bytes == 2 * b16.weights.total_bytes
+    assert f32.weight_bytes_per_layer > config.num_local_experts * 3 * 128 * 256 * 4
+
+
+def test_a_layer_that_cannot_run_on_meta_at_all_is_stood_in_for_and_said_so(monkeypatch):
+    from transformers.models.mixtral import modeling_mixtral
+
+    def data_dependent(self, *args, **kwargs):
+        raise RuntimeError("nonzero is data-dependent")
+
+    monkeypatch.setattr(modeling_mixtral.MixtralSparseMoeBlock, "forward", data_dependent)
+    p = plan.estimate(config_of("mixtral"), samples=2, seq_len=8, dtype="bfloat16")
+    assert any(n.startswith("MixtralDecoderLayer's output is taken to be shaped like") for n in p.notes)
+    assert p.boundaries[1].values == {"model_layers_0": "1x8x128 bfloat16"}
 
 
 def test_an_untraceable_model_falls_back_to_the_formula_and_says_why(monkeypatch):

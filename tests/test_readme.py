@@ -36,5 +36,6 @@ def test_readme_plan_output_is_what_the_planner_prints(capsys):
     shown = block[2].splitlines()
     # This machine's lines depend on the machine; every other line is the planner's arithmetic.
     from offcache.plan_cli import MACHINE_LINES as machine
+
     assert [x for x in shown if not x.startswith(machine)] == [x for x in printed if not x.startswith(machine)]
     assert len(shown) == len(printed)
