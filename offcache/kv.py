@@ -88,27 +88,52 @@ def measured_h2d_gbps(results_json: str | Path) -> float:
     return max(fetch, key=lambda r: r["bytes"])["gbps"]
 
 
+def _size_text(n: int) -> str:
+    """GiB to 4 decimals from 0.01 GiB up; below, the unit that shows the size (1024 bytes = 1 KiB, not 0.0000 GiB)."""
+    if n >= GiB // 100:
+        return f"{n / GiB:.4f} GiB"
+    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.4g} {unit}"
+    return f"{n} bytes"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m offcache.kv", description="KV-cache size and H2D cost")
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("size", help="size of a KV cache and the H2D time it costs per decoded token")
     s.add_argument("--config", help="a transformers config.json (or its folder)")
-    s.add_argument("--layers", type=int)
-    s.add_argument("--kv-heads", type=int)
-    s.add_argument("--head-dim", type=int)
-    s.add_argument("--batch", type=int, default=1)
-    s.add_argument("--tokens", type=int, required=True)
+    s.add_argument("--layers", type=_positive_int)
+    s.add_argument("--kv-heads", type=_positive_int)
+    s.add_argument("--head-dim", type=_positive_int)
+    s.add_argument("--batch", type=_positive_int, default=1)
+    s.add_argument("--tokens", type=_positive_int, required=True)
     s.add_argument("--dtype", default="bfloat16")
-    s.add_argument("--max-cache-len", type=int, help="static cache size for the static traffic (default: --tokens)")
+    s.add_argument(
+        "--max-cache-len", type=_positive_int, help="static cache size for the static traffic (default: --tokens)"
+    )
     bw = s.add_mutually_exclusive_group()
     bw.add_argument("--bandwidth-gbps", type=float, help="H2D bandwidth in GB/s")
     bw.add_argument("--bench-results", help="results.json from offcache.bench: use its measured fetch bandwidth")
     a = p.parse_args(argv)
 
     if a.config:
-        from transformers import AutoConfig
+        from offcache.plan import load_config
 
-        config = AutoConfig.from_pretrained(a.config)
+        try:
+            config = load_config(a.config)
+        except (ValueError, OSError) as exc:
+            p.error(str(exc))
         size = kv_bytes_for_config(config, a.batch, a.tokens, a.dtype)
         c = _shape_of(config, a.dtype)
         full, kv_heads, head_dim = c["full_layers"], c["kv_heads"], c["head_dim"]
@@ -121,7 +146,7 @@ def main(argv=None) -> int:
     max_len = a.max_cache_len or a.tokens
     if max_len < a.tokens:
         p.error(f"--max-cache-len ({max_len}) must be at least --tokens ({a.tokens})")
-    print(f"KV cache: {size} bytes = {size / GiB:.4f} GiB")
+    print(f"KV cache: {size} bytes = {_size_text(size)}")
     gbps = a.bandwidth_gbps or (measured_h2d_gbps(a.bench_results) if a.bench_results else None)
     if gbps:
         per_token = size / (gbps * 1e9)

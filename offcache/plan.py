@@ -1,19 +1,18 @@
 """What will a calibration run need? ``python -m offcache.plan``, and ``estimate()`` for code.
 
-The run is llm-compressor's sequential pipeline over a decoder whose sequential targets are
-its decoder layers: subgraph 0 (embeddings, rotary, mask) and one subgraph per layer, the last
-one with the head. After each subgraph but the last, every batch's outputs are stored and the
-inputs that subgraph consumed are deleted, batch by batch. What is stored, per batch of B
-samples of S tokens (as llm-compressor 0.14 traces transformers 5 Llama-like models):
+The run is llm-compressor's sequential pipeline. What each subgraph stores comes from the model
+itself (offcache.plan_trace): its config is built on the meta device, traced with
+llm-compressor's own ``trace_subgraphs`` (with the run's ``sequential_targets`` and
+``sequential_targets_per_subgraph``) and its subgraphs run on meta tensors, so every value that
+crosses a boundary has its true shape and dtype, for any model the pipeline can trace. The
+cache's calls are then replayed batch by batch as the pipeline makes them, the way offcache's
+engine holds memory (offcache.plan_sim). Only when there is no config, or the model cannot be
+traced here, a Llama formula stands in, and the output says so and why.
 
-- the calibration batch: input_ids and attention_mask, B x S int64 each;
-- after subgraph 0: hidden states B x S x hidden, position ids 1 x S int64, the causal mask
-  B x 1 x S x S and the rotary (cos, sin), 1 x S x head_dim each, in the model's dtype;
-- after each later subgraph: the layer's hidden states, B x S x hidden.
-
-The cache peak is simulated the way offcache's engine holds memory: each update() is one
-arena block (every tensor rounded up to 256 bytes) that lives while any of its names does,
-and a store snapshots its source first (on a CPU model, in host memory, until the copy lands).
+Every batch is taken at ``seq_len`` tokens: with the truncation collator (llm-compressor's
+default) a batch is cut to its shortest sample and to max_seq_length; with the padding collator
+it is padded to its longest sample (max_seq_length is ignored), so give the longest sample's
+length. Samples of different lengths make the plan an upper bound, and it says so.
 
 ``python -m offcache.plan kv ...`` is the KV-cache question (``python -m offcache.kv size``,
 kept as an alias).
@@ -21,9 +20,7 @@ kept as an alias).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import itertools
 import math
 import os
 import sys
@@ -31,10 +28,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from offcache import _engine
+from offcache import _engine, plan_sim, plan_trace
 
 GiB = 1 << 30
-ALIGN = 256  # the arena's alignment (csrc/core/arena.h, ArenaOptions::alignment)
+ALIGN = plan_sim.ALIGN
 
 # Bandwidth defaults, GB/s per direction.
 H200_PINNED_GBPS = 64.0
@@ -47,11 +44,20 @@ PAGEABLE_SOURCE = (
     "assumed, not published (NVIDIA gives no pageable figure): the driver stages pageable copies through a "
     "pinned buffer with CPU memcpy; measure yours with python -m offcache.bench"
 )
+DISK_GBPS = 2.0
+DISK_SOURCE = (
+    "assumed: a datacenter NVMe SSD's sequential rate, each direction; measure yours with "
+    "python -m offcache.bench disk and give --disk-gbps or --bench-results"
+)
+H200_GPU_BYTES = 141 * 10**9
+H200_GPU_SOURCE = "published: NVIDIA H200 datasheet, 141 GB HBM3e (no GPU visible here)"
+GPU_WEIGHT_SHARE = 0.9  # assumed: the rest of the GPU's memory is left to activations
+COLLATORS = ("truncation", "padding")
 
 
 @dataclass
 class Shape:
-    """What the planner needs of a model."""
+    """What the planner needs of a model when it cannot trace one (the fallback formula)."""
 
     layers: int
     hidden_size: int
@@ -61,22 +67,38 @@ class Shape:
     intermediate_size: int
     vocab_size: int
     tied_embeddings: bool = False
-    weight_bytes_per_layer: list[int] = field(default_factory=list)  # exact, from the model on the meta device
+    weight_bytes_per_layer: list[int] = field(default_factory=list)
     weight_bytes_total: int = 0
 
 
 @dataclass
 class Boundary:
-    """The values stored after one subgraph, for one batch and for all of them."""
+    """The values stored after one subgraph: per batch (the first) and over every batch."""
 
     subgraph: int
-    names: list[str]
-    hidden_bytes: int  # per batch
-    position_bytes: int  # position ids and rotary cos/sin, per batch
-    mask_bytes: int  # per batch
-    batch_bytes: int  # all of the above
+    targets: str  # the sequential targets the subgraph runs, e.g. "model.layers.3"
+    values: dict[str, str]  # name -> shapes and dtypes, e.g. "2x24x128 float32"
+    batch_bytes: int  # the first batch's values, each tensor once
+    tensors: int  # distinct tensors among them (one mask under several layers' names is one)
     total_bytes: int  # over every batch
     cache_peak_bytes: int  # the most the cache holds while this subgraph's outputs are stored
+    weight_bytes: int  # the weights the subgraph runs (onloaded for it when offloaded)
+
+
+@dataclass
+class Weights:
+    """The model's weights: per subgraph of the decoder the pipeline walks, and where they would live."""
+
+    per_subgraph: list[int]
+    walked_bytes: int  # the modules some subgraph runs, each once
+    total_bytes: int  # the whole model (a multimodal model's vision tower too)
+    gpu_bytes: int
+    gpu_source: str
+    placement: str  # "gpu", "cpu" or "cpu+disk"
+    ram_bytes: int  # held in host memory
+    disk_bytes: int  # offloaded to disk
+    onload_bytes: int  # H2D: each subgraph's weights once (llm-compressor keeps them on for both passes)
+    onload_disk_bytes: int  # the part of it read from disk
 
 
 @dataclass
@@ -101,46 +123,70 @@ class Plan:
     batch_size: int
     batches: int
     seq_len: int
+    collator: str
     dtype: str
     onload: str
+    sequential_targets: list[str]
+    targets_per_subgraph: int
+    method: str  # "traced" (from the model) or "formula" (the Llama fallback)
+    method_reason: str  # why the formula, when it is used
+    notes: list[str]
     shape: Shape
     input_bytes: int  # the calibration set in the cache (input_ids, attention_mask)
     boundaries: list[Boundary]
     cache_peak_bytes: int
-    weight_bytes_per_layer: int  # the largest layer
-    weight_bytes_total: int
+    weights: Weights
     tiers: Tiers
     d2h_bytes: int  # every stored value, once
-    h2d_bytes: int  # every fetch: two passes (calibrate, propagate) over every subgraph's inputs
+    h2d_bytes: int  # every fetch: every subgraph's inputs, once per pass
+    disk_write_bytes: int  # cache blocks past the host limit
+    disk_read_bytes: int  # fetches of them
     pinned_gbps: float
     pinned_source: str
     pageable_gbps: float
     pageable_source: str
-    seconds_pinned: float
+    disk_write_gbps: float
+    disk_read_gbps: float
+    disk_source: str
+    seconds_pinned: float  # the cache's copies at pinned bandwidth
     seconds_pageable: float
+    seconds_disk: float  # the cache's disk writes and reads
+    seconds_weights: float  # the weight onloads: host part at pageable bandwidth, disk part at disk bandwidth
+    advice: list[str]
 
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def weight_bytes_total(self) -> int:
+        return self.weights.total_bytes
+
+    @property
+    def weight_bytes_per_layer(self) -> int:
+        """The largest subgraph's weights but subgraph 0's and the last's (embeddings, head)."""
+        inner = self.weights.per_subgraph[1:-1] or self.weights.per_subgraph
+        return max(inner, default=0)
+
+
+def torch_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = str(dtype).replace("torch.", "")
+    value = getattr(torch, name, None)
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise ValueError(f"dtype: {name!r} is not a torch floating dtype (e.g. bfloat16, float16, float32)")
+    return value
+
 
 def _itemsize(dtype) -> int:
-    if isinstance(dtype, str):
-        name = dtype.replace("torch.", "")
-        dtype = getattr(torch, name, None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"dtype: {name!r} is not a torch dtype (e.g. bfloat16, float16, float32)")
-    return torch.empty((), dtype=dtype).element_size()
+    return torch.empty((), dtype=torch_dtype(dtype)).element_size()
 
 
-def _aligned(nbytes: int) -> int:
-    return (max(nbytes, 1) + ALIGN - 1) // ALIGN * ALIGN
-
-
-def shape_of_config(config, dtype="bfloat16") -> Shape:
-    """The planner's Shape of a transformers config, with exact weight bytes from the model built on meta."""
+def shape_of_config(config) -> Shape:
+    """The planner's Shape of a transformers config (its text decoder's)."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     heads = text.num_attention_heads
-    shape = Shape(
+    return Shape(
         layers=text.num_hidden_layers,
         hidden_size=text.hidden_size,
         heads=heads,
@@ -150,19 +196,6 @@ def shape_of_config(config, dtype="bfloat16") -> Shape:
         vocab_size=getattr(text, "vocab_size", 0) or 0,
         tied_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
     )
-    try:
-        import transformers
-
-        with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(config)
-    except Exception:  # an architecture transformers cannot build: the Llama-like formula instead
-        return _formula_weights(shape, dtype)
-    size = _itemsize(dtype)
-    layers = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == shape.layers), None)
-    if layers is not None:
-        shape.weight_bytes_per_layer = [sum(p.numel() for p in layer.parameters()) * size for layer in layers]
-    shape.weight_bytes_total = sum(p.numel() for p in model.parameters()) * size  # tied weights once
-    return shape
 
 
 def _formula_weights(shape: Shape, dtype) -> Shape:
@@ -182,23 +215,56 @@ def _batch_sizes(samples: int, batch_size: int) -> list[int]:
     return [batch_size] * full + ([rest] if rest else [])
 
 
-def _stored(shape: Shape, b: int, seq: int, size: int, first: bool) -> dict[str, int]:
-    """Bytes of each tensor stored after a subgraph, for a batch of b samples."""
-    hidden = {"hidden_states": b * seq * shape.hidden_size * size}
-    if not first:
-        return hidden
-    return hidden | {
-        "position_ids": seq * 8,
-        "causal_mask": b * seq * seq * size,
-        "rotary_cos": seq * shape.head_dim * size,
-        "rotary_sin": seq * shape.head_dim * size,
-    }
+def load_config(name: str | os.PathLike):
+    """A transformers config from a config.json, its folder, or a Hub id already in the local cache.
+
+    Never waits on the network; raises ValueError naming what was given when it is none of these.
+    """
+    from transformers import AutoConfig
+
+    path = os.fspath(name)
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"--config {path!r}: the folder holds no config.json")
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    if os.path.isfile(path):
+        config_dict = AutoConfig.get_config_dict(path, local_files_only=True)[0]
+        return AutoConfig.for_model(**config_dict)
+    looks_local = path.startswith((".", "/", "~")) or path.endswith(".json") or path.count("/") > 1
+    if not looks_local:
+        try:
+            return AutoConfig.from_pretrained(path, local_files_only=True)
+        except Exception:  # not in the local Hub cache
+            pass
+    raise ValueError(
+        f"--config {path!r} is neither a folder with a config.json, a config.json file, nor a Hub id in the "
+        "local cache (the planner does not download)"
+    )
 
 
-def _tiers(peak: int) -> Tiers:
-    s = _engine.settings()
-    pinned_limit, host_limit = s.get("pinned_limit", 0), s.get("host_limit", 0)
-    disk_dir = s.get("disk_dir", "")
+def _positive(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _gbps(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
+        raise ValueError(f"{name} must be a positive number of GB/s, got {value!r}")
+    return float(value)
+
+
+def _gpu_bytes(gpu_bytes: int | None) -> tuple[int, str]:
+    if gpu_bytes is not None:
+        return _positive("gpu_bytes", gpu_bytes), "given"
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory, f"measured: {torch.cuda.get_device_name(0)}"
+    return H200_GPU_BYTES, H200_GPU_SOURCE
+
+
+def _tiers(peak: int, settings: dict) -> Tiers:
+    pinned_limit, host_limit = settings.get("pinned_limit", 0), settings.get("host_limit", 0)
+    disk_dir = settings.get("disk_dir", "")
     free = 0
     if disk_dir:
         try:
@@ -215,7 +281,7 @@ def _tiers(peak: int) -> Tiers:
         host_limit_bytes=host_limit,
         disk_dir=disk_dir,
         disk_free_bytes=free,
-        disk_auto_reason=s.get("disk_auto_reason", ""),
+        disk_auto_reason=settings.get("disk_auto_reason", ""),
         pinned_bytes=pinned,
         pageable_bytes=pageable,
         disk_bytes=disk,
@@ -223,10 +289,96 @@ def _tiers(peak: int) -> Tiers:
     )
 
 
-def _positive(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return value
+def _subgraphs(config, shape, dtype, sizes, seq_len, sequential_targets, targets_per_subgraph):
+    """(subgraph values per batch size, Shape, method, reason, notes, total weight bytes)."""
+    reason = ""
+    if config is not None:
+        try:
+            try:
+                traced = plan_trace.trace(config, dtype, sizes[0], seq_len, sequential_targets, targets_per_subgraph)
+                traced.stand_ins = dtype.itemsize <= 2  # else the exact bf16 run below comes first
+                per_size = {b: traced.run(b, seq_len) for b in sorted(set(sizes))}
+            except Exception as exc:  # a meta kernel for bf16/fp16 only: run in bf16, report in `dtype`
+                if dtype.itemsize <= 2:
+                    raise
+                traced = plan_trace.trace(config, dtype, sizes[0], seq_len, sequential_targets, targets_per_subgraph,
+                                          run_dtype=torch.bfloat16)  # fmt: skip
+                per_size = {b: traced.run(b, seq_len) for b in sorted(set(sizes))}
+                traced.notes.append(
+                    f"run on meta tensors in bfloat16, reported as {str(dtype).replace('torch.', '')} (in "
+                    f"{str(dtype).replace('torch.', '')}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]})"
+                )
+            return per_size, shape_of_config(config), "traced", "", traced.notes, (traced.weight_bytes_total,
+                                                                                 traced.walked_bytes)  # fmt: skip
+        except ImportError as exc:
+            reason = f"llm-compressor is not importable here ({exc})"
+        except Exception as exc:  # what llm-compressor cannot trace, the pipeline cannot run either
+            reason = f"the model could not be traced here ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+        shape = shape_of_config(config)
+    else:
+        reason = "no model config was given, only its sizes"
+    if sequential_targets is not None or targets_per_subgraph != 1:
+        raise ValueError(f"sequential_targets and targets_per_subgraph need a traced model, but {reason}")
+    shape = _formula_weights(dataclasses.replace(shape, weight_bytes_per_layer=[]), dtype) \
+        if not shape.weight_bytes_per_layer else shape  # fmt: skip
+    per_size = {b: plan_sim.formula_subgraphs(shape, b, seq_len, dtype) for b in sorted(set(sizes))}
+    return per_size, shape, "formula", reason, [], (shape.weight_bytes_total, shape.weight_bytes_total)
+
+
+def _weights(per_subgraph: list[int], total: int, walked: int, onload: str, gpu: tuple[int, str], room: int) -> Weights:
+    """Where the weights would live: on the GPU if they fit its share, else host memory (up to `room`),
+    the rest on disk; offloaded weights are onloaded once per subgraph."""
+    onload_bytes = sum(per_subgraph)
+    gpu_bytes, gpu_source = gpu
+    if onload == "cpu":
+        return Weights(per_subgraph, walked, total, gpu_bytes, gpu_source, "cpu", total, 0, 0, 0)
+    if total <= GPU_WEIGHT_SHARE * gpu_bytes:
+        return Weights(per_subgraph, walked, total, gpu_bytes, gpu_source, "gpu", 0, 0, 0, 0)
+    ram = min(total, max(room, 0))
+    disk = total - ram
+    share = disk / total if total else 0.0
+    return Weights(per_subgraph, walked, total, gpu_bytes, gpu_source, "cpu+disk" if disk else "cpu", ram, disk,
+                   onload_bytes, int(onload_bytes * share))  # fmt: skip
+
+
+def _host_limit_text(n: int) -> str:
+    gib = -(-n // GiB)
+    return f"{gib}GiB" if gib * GiB <= n + GiB // 4 else f"{-(-n // (1 << 20))}MiB"
+
+
+def _advice(p_peak: int, tiers: Tiers, weights: Weights, method: str, reason: str, bounded: bool,
+            in_flight: int) -> list[str]:  # fmt: skip
+    out = []
+    if in_flight:
+        out.append(
+            f"On this machine, with the model on the CPU, each store's snapshot lives in host memory until its copy "
+            f"lands: the peak counts the one being stored; copies still in flight when the machine is busy can hold "
+            f"up to OFFCACHE_MAX_IN_FLIGHT ({_h(in_flight)}) more (an upper bound of {_h(p_peak + in_flight)})."
+        )
+    if method == "formula":
+        out.append(f"Stored values from the Llama formula (fallback), not from the model: {reason}.")
+    if bounded:
+        out.append(
+            "Every batch is taken at --seq-len tokens: with samples of different lengths this is an upper bound."
+        )
+    free = tiers.memory_bytes - weights.ram_bytes
+    if tiers.disk_bytes and p_peak <= free:
+        need = _host_limit_text(p_peak)
+        out.append(
+            f"On this machine, the cache peak ({_h(p_peak)}) fits in memory ({_h(free)} beside the weights held there) "
+            f"but not under the host limit ({_h(tiers.host_limit_bytes)}): OFFCACHE_HOST_LIMIT={need} keeps it in "
+            "memory, with no disk tier."
+        )
+    disk_need = tiers.disk_bytes + weights.disk_bytes
+    if not tiers.fits or (weights.disk_bytes and disk_need > tiers.disk_free_bytes):
+        out.append(
+            f"On this machine, it DOES NOT FIT: weights ({_h(weights.total_bytes)}) and cache ({_h(p_peak)}) "
+            f"need {_h(disk_need)} on disk "
+            f"past this machine's memory ({_h(tiers.memory_bytes)}), and the disk tier has "
+            f"{_h(tiers.disk_free_bytes) if tiers.disk_dir else 'none'}: set OFFCACHE_DISK_DIR to a disk with room, "
+            "use fewer samples or a shorter --seq-len."
+        )
+    return out
 
 
 def estimate(
@@ -238,132 +390,116 @@ def estimate(
     batch_size: int = 1,
     onload: str = "cuda",
     shape: Shape | None = None,
+    sequential_targets: list[str] | None = None,
+    targets_per_subgraph: int = 1,
+    collator: str = "truncation",
+    propagate_error: bool = True,
+    uniform_lengths: bool = False,
+    gpu_bytes: int | None = None,
     pinned_gbps: float = H200_PINNED_GBPS,
     pageable_gbps: float = PAGEABLE_GBPS,
+    disk_write_gbps: float | None = None,
+    disk_read_gbps: float | None = None,
 ) -> Plan:
-    """The plan of a sequential-pipeline calibration run (see the module's docstring for the model).
+    """The plan of a sequential-pipeline calibration run (see the module's docstring).
 
-    `config`: a transformers config, or a path/name for AutoConfig; or give `shape` instead.
-    `onload`: where the model runs, 'cuda' or 'cpu' (on a CPU the stores' snapshots are host memory).
+    `config`: a transformers config, or a path/Hub id for AutoConfig (local only); or give `shape`
+    (the Llama formula then stands in). `onload`: where the model runs, 'cuda' or 'cpu' (on a CPU the
+    stores' snapshots are host memory and the weights stay in RAM). `sequential_targets`,
+    `targets_per_subgraph`, `collator`, `propagate_error`: llm-compressor's options of those names
+    (`collator`: its data_collator, 'truncation' or 'padding'; `seq_len` is then max_seq_length, or
+    the longest sample). `uniform_lengths`: every sample is `seq_len` tokens, so the plan is exact,
+    not an upper bound. `gpu_bytes`: the GPU's memory (default: the visible GPU's, else an H200's).
     """
     _positive("samples", samples)
     _positive("seq_len", seq_len)
     _positive("batch_size", batch_size)
+    _positive("targets_per_subgraph", targets_per_subgraph)
     if onload not in ("cuda", "cpu"):
         raise ValueError(f"onload must be 'cuda' or 'cpu', got {onload!r}")
-    for name, gbps in (("pinned_gbps", pinned_gbps), ("pageable_gbps", pageable_gbps)):
-        if isinstance(gbps, bool) or not isinstance(gbps, (int, float)) or not gbps > 0 or math.isinf(gbps):
-            raise ValueError(f"{name} must be a positive number of GB/s, got {gbps!r}")
+    if collator not in COLLATORS:
+        raise ValueError(f"collator must be one of {COLLATORS}, got {collator!r}")
+    pinned_gbps, pageable_gbps = _gbps("pinned_gbps", pinned_gbps), _gbps("pageable_gbps", pageable_gbps)
+    disk_given = disk_write_gbps is not None or disk_read_gbps is not None
+    disk_write_gbps = _gbps("disk_write_gbps", DISK_GBPS if disk_write_gbps is None else disk_write_gbps)
+    disk_read_gbps = _gbps("disk_read_gbps", DISK_GBPS if disk_read_gbps is None else disk_read_gbps)
+    dtype = torch_dtype(dtype)
+    if sequential_targets is not None:
+        if isinstance(sequential_targets, str):
+            sequential_targets = [sequential_targets]
+        if not sequential_targets or not all(isinstance(t, str) and t for t in sequential_targets):
+            raise ValueError(
+                f"sequential_targets must be a list of class names or patterns, got {sequential_targets!r}"
+            )
+        sequential_targets = list(sequential_targets)
     if shape is None:
         if config is None:
             raise ValueError("estimate() needs a model config (or a path to one), or shape=Shape(...)")
         if isinstance(config, (str, os.PathLike)):
-            from transformers import AutoConfig
-
-            config = AutoConfig.from_pretrained(os.fspath(config))
-        shape = shape_of_config(config, dtype)
-    elif not shape.weight_bytes_per_layer:
-        shape = _formula_weights(dataclasses.replace(shape), dtype)
-    size = _itemsize(dtype)
+            config = load_config(config)
     sizes = _batch_sizes(samples, batch_size)
-    n = len(sizes)
-
-    # The cache, simulated: block id -> [bytes, live names]; per batch, name -> block.
-    blocks: dict[int, list] = {}
-    where: list[dict[str, int]] = [{} for _ in range(n)]
-    held = peak = 0
-    peaks: list[int] = []
-    ids = itertools.count()
-
-    def store(b: int, values: dict[str, int]) -> None:
-        nonlocal held, peak
-        block = sum(_aligned(v) for v in values.values())
-        staging = block if onload == "cpu" else 0  # a CPU source is snapshotted into the arena first
-        peak = max(peak, held + block + staging)
-        ident = next(ids)
-        blocks[ident] = [block, set(values)]
-        for name in values:
-            where[b][name] = ident
-        held += block
-
-    def delete(b: int, names) -> None:
-        nonlocal held
-        for name in names:
-            block = where[b].pop(name)
-            blocks[block][1].discard(name)
-            if not blocks[block][1]:
-                held -= blocks.pop(block)[0]
-
-    inputs = [{"input_ids": b * seq_len * 8, "attention_mask": b * seq_len * 8} for b in sizes]
-    for b in range(n):
-        store(b, inputs[b])
-    input_bytes = sum(sum(v.values()) for v in inputs)
-    peaks.append(peak)
-
-    boundaries: list[Boundary] = []
-    d2h = input_bytes
-    h2d = 2 * input_bytes  # subgraph 0 reads the calibration batch in both passes
-    shared_total = 0
-    consumed = ["input_ids", "attention_mask"]
-    for k in range(shape.layers):  # subgraph k's outputs; the last subgraph (layer L-1 and the head) stores none
-        peak = held
-        outputs = [_stored(shape, sizes[b], seq_len, size, first=k == 0) for b in range(n)]
-        name = "hidden_states" if k == 0 else f"layer_{k - 1}_hidden_states"
-        renamed = [{(name if key == "hidden_states" else key): v for key, v in o.items()} for o in outputs]
-        for b in range(n):
-            store(b, renamed[b])
-            delete(b, consumed)
-        consumed = [name]
-        total = sum(sum(o.values()) for o in outputs)
-        first = outputs[0]
-        boundaries.append(
-            Boundary(
-                subgraph=k,
-                names=list(renamed[0]),
-                hidden_bytes=first["hidden_states"],
-                position_bytes=first.get("position_ids", 0) + first.get("rotary_cos", 0) + first.get("rotary_sin", 0),
-                mask_bytes=first.get("causal_mask", 0),
-                batch_bytes=sum(first.values()),
-                total_bytes=total,
-                cache_peak_bytes=peak,
-            )
-        )
-        peaks.append(peak)
-        d2h += total
-        hidden_total = sum(o["hidden_states"] for o in outputs)
-        if k == 0:
-            shared_total = total - hidden_total  # position ids, mask, rotary: read by every later subgraph
-        h2d += 2 * (hidden_total + shared_total)  # subgraph k + 1 reads them in both passes
-    cache_peak = max(peaks)
-    tiers = _tiers(cache_peak)
-    per_layer = max(shape.weight_bytes_per_layer) if shape.weight_bytes_per_layer else 0
-    return Plan(
-        samples=samples,
-        batch_size=batch_size,
-        batches=n,
-        seq_len=seq_len,
-        dtype=str(dtype).replace("torch.", ""),
-        onload=onload,
-        shape=shape,
-        input_bytes=input_bytes,
-        boundaries=boundaries,
-        cache_peak_bytes=cache_peak,
-        weight_bytes_per_layer=per_layer,
-        weight_bytes_total=shape.weight_bytes_total,
-        tiers=tiers,
-        d2h_bytes=d2h,
-        h2d_bytes=h2d,
-        pinned_gbps=float(pinned_gbps),
-        pinned_source=H200_PINNED_SOURCE if pinned_gbps == H200_PINNED_GBPS else "given",
-        pageable_gbps=float(pageable_gbps),
-        pageable_source=PAGEABLE_SOURCE if pageable_gbps == PAGEABLE_GBPS else "given",
-        seconds_pinned=(d2h + h2d) / (pinned_gbps * 1e9),
-        seconds_pageable=(d2h + h2d) / (pageable_gbps * 1e9),
+    per_size, shape, method, reason, notes, (weight_total, walked) = _subgraphs(
+        None if shape is not None else config, shape, dtype, sizes, seq_len, sequential_targets, targets_per_subgraph
     )
+    per_batch = [per_size[b] for b in sizes]
+    inputs = [plan_sim.inputs_of(b, seq_len) for b in sizes]
+    settings = _engine.settings()
+    replay = plan_sim.simulate(per_batch, inputs, onload=onload, host_limit=settings.get("host_limit", 0),
+                               passes=2 if propagate_error else 1)  # fmt: skip
+    tiers = _tiers(replay.peak_bytes, settings)
+    first = per_batch[0]
+    weights = _weights([sg.weight_bytes for sg in first], weight_total, walked, onload, _gpu_bytes(gpu_bytes),
+                       tiers.memory_bytes - min(replay.peak_bytes, tiers.host_limit_bytes))  # fmt: skip
+    boundaries = []
+    for k, sg in enumerate(first[:-1]):
+        total = sum(sum(n for _, n in _distinct(per_size[b][k].outputs)) for b in sizes)
+        boundaries.append(Boundary(
+            subgraph=k, targets=_targets(sg.targets), values=dict(sg.shapes), weight_bytes=sg.weight_bytes,
+            batch_bytes=sum(n for _, n in _distinct(sg.outputs)), tensors=len(_distinct(sg.outputs)), total_bytes=total,
+            cache_peak_bytes=replay.peaks[k + 1],
+        ))  # fmt: skip
+    d2h, h2d = replay.d2h_bytes, replay.h2d_bytes
+    disk_seconds = replay.disk_write_bytes / (disk_write_gbps * 1e9) + replay.disk_read_bytes / (disk_read_gbps * 1e9)
+    w_host = weights.onload_bytes - weights.onload_disk_bytes
+    weight_seconds = w_host / (pageable_gbps * 1e9) + weights.onload_disk_bytes / (disk_read_gbps * 1e9)
+    bounded = not uniform_lengths
+    return Plan(
+        samples=samples, batch_size=batch_size, batches=len(sizes), seq_len=seq_len, collator=collator,
+        dtype=str(dtype).replace("torch.", ""), onload=onload,
+        sequential_targets=list(sequential_targets or []), targets_per_subgraph=targets_per_subgraph,
+        method=method, method_reason=reason, notes=list(notes), shape=shape,
+        input_bytes=sum(sum(n for _, n in _distinct(i)) for i in inputs), boundaries=boundaries,
+        cache_peak_bytes=replay.peak_bytes, weights=weights, tiers=tiers, d2h_bytes=d2h, h2d_bytes=h2d,
+        disk_write_bytes=replay.disk_write_bytes, disk_read_bytes=replay.disk_read_bytes,
+        pinned_gbps=pinned_gbps, pinned_source=H200_PINNED_SOURCE if pinned_gbps == H200_PINNED_GBPS else "given",
+        pageable_gbps=pageable_gbps, pageable_source=PAGEABLE_SOURCE if pageable_gbps == PAGEABLE_GBPS else "given",
+        disk_write_gbps=disk_write_gbps, disk_read_gbps=disk_read_gbps,
+        disk_source="given" if disk_given else DISK_SOURCE,
+        seconds_pinned=(d2h + h2d) / (pinned_gbps * 1e9), seconds_pageable=(d2h + h2d) / (pageable_gbps * 1e9),
+        seconds_disk=disk_seconds, seconds_weights=weight_seconds,
+        advice=_advice(replay.peak_bytes, tiers, weights, method, reason, bounded,
+                       settings.get("max_in_flight", 0) if onload == "cpu" else 0),  # fmt: skip
+    )  # fmt: skip
+
+
+def _distinct(values: dict[str, list]) -> list:
+    seen: dict = {}
+    for leaves in values.values():
+        for key, nbytes in leaves:
+            seen.setdefault(key, nbytes)
+    return list(seen.items())
+
+
+def _targets(names: list[str]) -> str:
+    if not names:
+        return "no target"
+    return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)} targets)"
 
 
 def _h(n: int) -> str:
-    return f"{n} bytes ({_engine._human(n)})" if n >= 1024 else f"{n} bytes"
+    if n < 1024:
+        return f"{n} bytes"
+    return f"{n} bytes ({_engine._human(n)})"
 
 
 def _seconds(t: float) -> str:
@@ -371,100 +507,17 @@ def _seconds(t: float) -> str:
 
 
 def render(p: Plan) -> str:
-    """The plan as the text ``python -m offcache.plan`` prints."""
-    s, t = p.shape, p.tiers
-    out = [
-        f"Calibration run: {p.samples} samples x {p.seq_len} tokens, batch size {p.batch_size} ({p.batches} batches), "
-        f"{p.dtype}, model on {p.onload}",
-        f"Model: {s.layers} layers, hidden {s.hidden_size}, {s.heads} heads ({s.kv_heads} KV) x {s.head_dim}",
-        f"Weights: {_h(p.weight_bytes_per_layer)} per layer (largest), {_h(p.weight_bytes_total)} in total",
-        f"Calibration set in the cache: {_h(p.input_bytes)}",
-        "Per subgraph boundary (stored after the subgraph; per batch, then all batches; the cache's peak meanwhile):",
-    ]
-    runs: list[list[Boundary]] = []  # consecutive boundaries with the same numbers, printed as one line
-    for b in p.boundaries:
-        key = (b.hidden_bytes, b.position_bytes, b.mask_bytes, b.total_bytes, b.cache_peak_bytes)
-        last = runs[-1][-1] if runs else None
-        if last and (last.hidden_bytes, last.position_bytes, last.mask_bytes, last.total_bytes,
-                     last.cache_peak_bytes) == key:  # fmt: skip
-            runs[-1].append(b)
-        else:
-            runs.append([b])
-    for run in runs:
-        b = run[0]
-        which = f"subgraph {b.subgraph}" if len(run) == 1 else f"subgraphs {b.subgraph}-{run[-1].subgraph}"
-        parts = f"hidden {b.hidden_bytes}"
-        if b.position_bytes or b.mask_bytes:
-            parts += f" + positions {b.position_bytes} + mask {b.mask_bytes}"
-        out.append(
-            f"  after {which}: {parts} = {b.batch_bytes} bytes/batch, "
-            f"{_h(b.total_bytes)} total; cache peak {_h(b.cache_peak_bytes)}"
-        )
-    out.append(f"Cache peak: {_h(p.cache_peak_bytes)}")
-    disk = f"{t.disk_dir} ({_h(t.disk_free_bytes)} free)" if t.disk_dir else f"none ({t.disk_auto_reason or 'off'})"
-    out += [
-        f"This machine: memory {_h(t.memory_bytes)} (RAM or cgroup limit); pinned budget {_h(t.pinned_limit_bytes)}, "
-        f"host limit {_h(t.host_limit_bytes)}, disk tier {disk}",
-        f"  the peak would use: pinned {_h(t.pinned_bytes)}, pageable {_h(t.pageable_bytes)}, disk {_h(t.disk_bytes)}"
-        + ("" if t.fits else "  -> DOES NOT FIT: set OFFCACHE_DISK_DIR to a disk with room, or OFFCACHE_HOST_LIMIT"),
-        f"Transfers: D2H {_h(p.d2h_bytes)}, H2D {_h(p.h2d_bytes)}",
-        f"  at {p.pinned_gbps:g} GB/s pinned: {_seconds(p.seconds_pinned)}   [{p.pinned_source}]",
-        f"  at {p.pageable_gbps:g} GB/s pageable: {_seconds(p.seconds_pageable)}   [{p.pageable_source}]",
-    ]
-    return "\n".join(out)
+    """The plan as the text ``python -m offcache.plan`` prints (offcache.plan_cli)."""
+    from offcache.plan_cli import render as _render
+
+    return _render(p)
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["kv"]:  # the KV-cache question: one way to ask, python -m offcache.kv size is an alias
-        from offcache import kv
+    """``python -m offcache.plan`` (offcache.plan_cli)."""
+    from offcache.plan_cli import main as _main
 
-        return kv.main(["size", *argv[1:]])
-    ap = argparse.ArgumentParser(
-        prog="python -m offcache.plan",
-        description="What a llm-compressor sequential calibration run will need, before any data moves. "
-        "`python -m offcache.plan kv ...` sizes a KV cache instead (as `python -m offcache.kv size`).",
-    )
-    ap.add_argument("--config", help="a transformers config.json, its folder, or a hub name in the local cache")
-    for flag in ("layers", "hidden-size", "heads", "kv-heads", "head-dim", "intermediate-size", "vocab-size"):
-        ap.add_argument(f"--{flag}", type=int, help="without --config: the model's size")
-    ap.add_argument("--samples", type=int, required=True, help="number of calibration samples")
-    ap.add_argument("--seq-len", type=int, required=True, help="tokens per sample (max_seq_length)")
-    ap.add_argument("--batch-size", type=int, default=1, help="llm-compressor's batch_size (default 1)")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--onload", choices=("cuda", "cpu"), default="cuda", help="where the model runs")
-    ap.add_argument("--pinned-gbps", type=float, default=H200_PINNED_GBPS)
-    ap.add_argument("--pageable-gbps", type=float, default=PAGEABLE_GBPS)
-    ap.add_argument("--json", action="store_true", help="print the Plan as JSON")
-    a = ap.parse_args(argv)
-    shape = None
-    if not a.config:
-        missing = [f for f in ("layers", "hidden_size", "heads") if getattr(a, f) is None]
-        if missing:
-            ap.error("without --config, give " + ", ".join("--" + m.replace("_", "-") for m in missing))
-        shape = Shape(
-            layers=a.layers,
-            hidden_size=a.hidden_size,
-            heads=a.heads,
-            kv_heads=a.kv_heads or a.heads,
-            head_dim=a.head_dim or a.hidden_size // a.heads,
-            intermediate_size=a.intermediate_size or 4 * a.hidden_size,
-            vocab_size=a.vocab_size or 0,
-        )
-    try:
-        p = estimate(
-            a.config, samples=a.samples, seq_len=a.seq_len, dtype=a.dtype, batch_size=a.batch_size,
-            onload=a.onload, shape=shape, pinned_gbps=a.pinned_gbps, pageable_gbps=a.pageable_gbps,
-        )  # fmt: skip
-    except (ValueError, OSError) as exc:
-        ap.error(str(exc))
-    if a.json:
-        import json
-
-        print(json.dumps(p.to_dict(), indent=1))
-    else:
-        print(render(p))
-    return 0
+    return _main(argv)
 
 
 if __name__ == "__main__":
