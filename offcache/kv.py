@@ -106,9 +106,13 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
 
     if a.config:
-        from transformers import AutoConfig
+        from offcache._extras import MissingExtraError, require
 
-        config = AutoConfig.from_pretrained(a.config)
+        try:
+            transformers = require("transformers", "transformers", "offcache.plan kv with a model config (--config)")
+        except MissingExtraError as exc:
+            p.exit(2, f"{p.prog}: {exc}\n")  # one line: what to install
+        config = transformers.AutoConfig.from_pretrained(a.config)
         size = kv_bytes_for_config(config, a.batch, a.tokens, a.dtype)
         c = _shape_of(config, a.dtype)
         full, kv_heads, head_dim = c["full_layers"], c["kv_heads"], c["head_dim"]

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from offcache import _engine
+from offcache._extras import MissingExtraError, require
 
 GiB = 1 << 30
 ALIGN = 256  # the arena's alignment (csrc/core/arena.h, ArenaOptions::alignment)
@@ -202,7 +203,7 @@ def _tiers(peak: int) -> Tiers:
     free = 0
     if disk_dir:
         try:
-            st = os.statvfs(disk_dir)
+            st = os.statvfs(_engine._existing(disk_dir))  # made when first needed
             free = st.f_bavail * st.f_frsize
         except OSError:
             free = 0
@@ -258,9 +259,8 @@ def estimate(
         if config is None:
             raise ValueError("estimate() needs a model config (or a path to one), or shape=Shape(...)")
         if isinstance(config, (str, os.PathLike)):
-            from transformers import AutoConfig
-
-            config = AutoConfig.from_pretrained(os.fspath(config))
+            transformers = require("transformers", "transformers", "offcache.plan with a model config (--config)")
+            config = transformers.AutoConfig.from_pretrained(os.fspath(config))
         shape = shape_of_config(config, dtype)
     elif not shape.weight_bytes_per_layer:
         shape = _formula_weights(dataclasses.replace(shape), dtype)
@@ -456,6 +456,8 @@ def main(argv=None) -> int:
             a.config, samples=a.samples, seq_len=a.seq_len, dtype=a.dtype, batch_size=a.batch_size,
             onload=a.onload, shape=shape, pinned_gbps=a.pinned_gbps, pageable_gbps=a.pageable_gbps,
         )  # fmt: skip
+    except MissingExtraError as exc:
+        ap.exit(2, f"{ap.prog}: {exc}\n")  # one line: what to install
     except (ValueError, OSError) as exc:
         ap.error(str(exc))
     if a.json:
