@@ -4,16 +4,39 @@ The CUDA backend is compiled when torch is a CUDA build and a CUDA toolkit is
 found; the decision never depends on a GPU being present, since build hosts
 usually have none. OFFCACHE_FORCE_CUDA=1 turns "CUDA could not be built" into
 an error. Install with: pip install --no-build-isolation .
+
+The engine runs only with the torch it was compiled against (offcache/_engine.py refuses any
+other), so the build uses the torch installed where it will run: the wheel records that torch in
+its requirements (torch==X) and in its version's local label (0.2.0+torch2.14.0.cu130), and
+offcache/_C_build.json records it next to the engine.
 """
 
+import json
 import os
+import re
 import shutil
+import sys
 from pathlib import Path
 
-import torch
 from setuptools import setup
 
 ROOT = Path(__file__).parent
+NO_TORCH = (
+    "offcache compiles against the torch that will run it, so install torch first and then "
+    "offcache with `pip install --no-build-isolation .` (pip's default build isolation builds in a "
+    "throwaway environment, against a torch that would not be the one you run)"
+)
+# Where build front ends put their isolated build environments.
+ISOLATED = ("pip-build-env-", "build-env-", "/builds-v0/")
+
+try:
+    import torch
+except ModuleNotFoundError:
+    sys.exit(f"offcache: no torch in the build environment (not installed, or hidden by build isolation): {NO_TORCH}.")
+if any(marker in str(Path(torch.__file__).resolve()) for marker in ISOLATED):
+    sys.exit(
+        f"offcache: this build would use torch {torch.__version__} from an isolated build environment: {NO_TORCH}."
+    )
 
 
 def find_cuda_toolkit() -> str | None:
@@ -110,8 +133,45 @@ def ext_modules():
     return [extension()]
 
 
-# Metadata (name, version, dependencies, scripts) is in pyproject.toml; this file builds the engine.
+def torch_label() -> str:
+    """The local version label of this build: the torch it is compiled against, and CUDA or cpu."""
+    public = str(torch.__version__).split("+")[0]
+    variant = "cu" + torch.version.cuda.replace(".", "") if not cuda_build_reasons() else "cpu"
+    return f"torch{public}.{variant}"
+
+
+def version() -> str:
+    text = (ROOT / "offcache" / "__init__.py").read_text()
+    return re.search(r'^__version__ = "([^"]+)"', text, re.MULTILINE)[1] + "+" + torch_label()
+
+
+def requirements() -> list[str]:
+    # torch==X without the local label matches X+cu130, X+cu128 and X+cpu alike; the engine's
+    # import check names the variant it needs.
+    return [f"torch=={str(torch.__version__).split('+')[0]}", "tqdm"]
+
+
+class Build(BuildExtension):  # ninja by default (with_options passes kwargs older setuptools refuse)
+    """Builds the engine and records, next to it, the torch it was compiled against."""
+
+    def build_extensions(self):
+        super().build_extensions()
+        for ext in self.extensions:
+            engine = Path(self.get_ext_fullpath(ext.name))
+            record = {
+                "torch": str(torch.__version__),
+                "cuda": torch.version.cuda if not cuda_build_reasons() else None,
+                "engine": engine.name,
+                "engine_bytes": engine.stat().st_size,
+            }
+            (engine.parent / "_C_build.json").write_text(json.dumps(record, indent=1) + "\n")
+
+
+# Static metadata (name, extras, scripts) is in pyproject.toml; the version and the requirements
+# name the torch this build is for, so they are computed here.
 setup(
+    version=version(),
+    install_requires=requirements(),
     ext_modules=ext_modules(),
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": Build},
 )

@@ -19,6 +19,7 @@ from offcache._engine import (
     stats,
     synchronize,
 )
+from offcache._extras import MissingExtraError
 from offcache.cache import IntermediatesCache, IntermediateValue
 from offcache.kv import kv_bytes, kv_bytes_for_config
 from offcache.patch import LLMCompressorDriftError, patch_llmcompressor, unpatch_llmcompressor
@@ -27,6 +28,9 @@ from offcache.patch import LLMCompressorDriftError, patch_llmcompressor, unpatch
 def __getattr__(name):
     # OffloadedKVCache needs transformers: imported on first use only.
     if name in ("OffloadedKVCache", "OffloadedStaticKVCache"):
+        from offcache._extras import require
+
+        require("transformers", "kv", f"offcache.{name}")
         from offcache import kv_cache
 
         return getattr(kv_cache, name)
@@ -39,6 +43,7 @@ __all__ = [
     "IntermediateValue",
     "IntermediatesCache",
     "LLMCompressorDriftError",
+    "MissingExtraError",
     "OffloadedKVCache",
     "OffloadedStaticKVCache",
     "SpillWarning",

@@ -30,19 +30,73 @@ from decimal import Decimal
 
 import torch
 
-try:
-    from offcache import _C
-except ImportError as exc:  # no silent fallback: the engine is the product
+# What setup.py records next to the engine it builds (offcache/_C_build.json): the torch it was
+# compiled against, so a mismatch is refused before the library is even loaded.
+BUILD_RECORD = "_C_build.json"
+
+
+def _recorded_build(folder) -> dict | None:
+    """The build record next to the compiled engine, if it describes the engine there now."""
+    import json
+    from pathlib import Path
+
+    folder = Path(folder)
+    try:
+        record = json.loads((folder / BUILD_RECORD).read_text())
+        engine = folder / record["engine"]
+        if engine.stat().st_size != record["engine_bytes"]:
+            return None  # an engine copied in since: the record is stale, loading will tell
+        return record
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def torch_mismatch(built: str, running: str, built_cuda: str | None = None) -> str:
+    """Why an engine built against torch `built` must not run under torch `running`, and the fix.
+
+    PyTorch promises no C++ ABI across releases, patch releases included (inline functions and
+    symbols of c10/ATen change between them), so any difference is refused.
+    """
+    msg = (
+        f"offcache's compiled engine was built against torch {built}, but torch {running} is running; "
+        "a C++ extension must run with the torch it was compiled against. "
+    )
+    if built_cuda and torch.version.cuda is None:
+        msg += f"This build needs a CUDA build of torch (CUDA {built_cuda}); torch {running} is CPU-only. "
+    return msg + (
+        f"Fix: install torch=={built}, or rebuild offcache against this torch: "
+        "`pip install --no-build-isolation --no-deps --force-reinstall .` from a checkout "
+        "(or `bash scripts/setup.sh` there)."
+    )
+
+
+def _load_engine():
+    """offcache._C, refused with an ImportError when it was built against another torch."""
     from pathlib import Path
 
     here = Path(__file__).parent
-    built = list(here.glob("_C*.so"))
-    where = f"{exc}" if built else f"{here} holds no compiled engine"
-    raise ImportError(
-        f"offcache's compiled engine (offcache._C) is missing or does not load: {where}. "
-        "Build it against the torch you run with: `bash scripts/setup.sh`, or "
-        "`pip install --no-build-isolation -e .` from a checkout."
-    ) from exc
+    running = str(torch.__version__)
+    record = _recorded_build(here)
+    if record is not None and record.get("torch") != running:  # checked before the library loads
+        raise ImportError(torch_mismatch(record.get("torch"), running, record.get("cuda")))
+    try:
+        from offcache import _C
+    except ImportError as exc:  # no silent fallback: the engine is the product
+        built = list(here.glob("_C*.so"))
+        where = f"{exc}" if built else f"{here} holds no compiled engine"
+        if built and torch.version.cuda is None and "cuda" in str(exc).lower():
+            where += f"; this engine was built with CUDA and needs a CUDA build of torch (torch {running} is CPU-only)"
+        raise ImportError(
+            f"offcache's compiled engine (offcache._C) is missing or does not load under torch {running}: "
+            f"{where}. Build it against the torch you run with: `bash scripts/setup.sh`, or "
+            "`pip install --no-build-isolation -e .` from a checkout."
+        ) from exc
+    if _C.torch_version != running:  # an engine with no record (copied in, older build)
+        raise ImportError(torch_mismatch(_C.torch_version, running, _C.cuda_version))
+    return _C
+
+
+_C = _load_engine()
 
 __all__ = [
     "DEFAULTS",
@@ -322,12 +376,21 @@ def filesystem_type(path: str, proc: str = "/proc/self") -> str:
     return kind
 
 
+def _existing(path: str) -> str:
+    """`path`, or the nearest folder above it that exists."""
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
 def auto_disk_dir(environ=None, proc: str = "/proc/self") -> tuple[str, str]:
     """OFFCACHE_DISK_DIR=auto: (folder, '') or ('', why no folder is usable).
 
-    The folder is $XDG_CACHE_HOME/offcache, else ~/.cache/offcache, made private (0700)
-    if new; usable where it is writable, on a real disk (not tmpfs/ramfs) and has at least
-    1GiB free. The engine uses it only past the host limit, in files unlinked at once.
+    The folder is $XDG_CACHE_HOME/offcache, else ~/.cache/offcache; usable where it (or, until
+    it exists, the nearest folder above it) is writable, on a real disk (not tmpfs/ramfs) and has
+    at least 1GiB free. Nothing is made here: the folder is made (private, 0700) when the disk
+    tier is first needed (make_disk_dir), and the engine uses it only past the host limit, in
+    files unlinked at once.
     """
     environ = os.environ if environ is None else environ
     xdg = (environ.get("XDG_CACHE_HOME") or "").strip()
@@ -335,29 +398,50 @@ def auto_disk_dir(environ=None, proc: str = "/proc/self") -> tuple[str, str]:
     if not os.path.isabs(base):
         return "", "no home folder and no absolute XDG_CACHE_HOME"
     folder = os.path.join(base, "offcache")
-    existing = folder
-    while not os.path.exists(existing):  # checked before anything is made there
-        existing = os.path.dirname(existing)
-    fs = filesystem_type(existing, proc)
+    existing = _existing(folder)
+    fs = filesystem_type(existing, proc)  # the folder may be a link or a mount of its own
     if fs in _MEMORY_FS:
         return "", f"{folder} is on {fs}, which is memory, not disk"
+    if not os.path.isdir(existing):
+        return "", f"cannot make {folder}: {existing} is not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "" if existing == folder else f"cannot make {folder}: "
+        return "", f"{where}cannot write to {existing}"
     try:
-        os.makedirs(folder, mode=0o700, exist_ok=True)
-    except OSError as exc:
-        return "", f"cannot make {folder}: {exc.strerror or exc}"
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
-        return "", f"cannot write to {folder}"
-    fs = filesystem_type(folder, proc)  # again: the folder may be a link or a mount of its own
-    if fs in _MEMORY_FS:
-        return "", f"{folder} is on {fs}, which is memory, not disk"
-    try:
-        st = os.statvfs(folder)
+        st = os.statvfs(existing)
     except OSError as exc:
         return "", f"cannot read the free space of {folder}: {exc.strerror or exc}"
     free = st.f_bavail * st.f_frsize
     if free < _AUTO_MIN_FREE:
         return "", f"{folder} has only {_human(free)} free (auto needs at least {_human(_AUTO_MIN_FREE)})"
     return folder, ""
+
+
+# The auto disk tier's folder while it does not exist yet: made by the first store that may need it.
+_pending_disk_dir: str = ""
+
+
+def make_disk_dir(request_bytes: int = 0, force: bool = False) -> None:
+    """Make the auto disk tier's folder once a store may cross the host limit (or `force`).
+
+    Importing offcache makes nothing on disk; the folder appears only when a run holds enough
+    host memory that its next values may go to disk. A folder that cannot be made then fails
+    that store with the engine's error naming it.
+    """
+    global _pending_disk_dir
+    folder = _pending_disk_dir
+    if not folder:
+        return
+    if not force:
+        s = _C.stats()
+        held = s["pinned_reserved_bytes"] + s["pageable_bytes"] + 2 * request_bytes
+        if held < _resolved.get("host_limit", 0) // 2:  # far from the limit: not yet
+            return
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+    except OSError:
+        pass  # the engine's store names the folder and the reason
+    _pending_disk_dir = ""
 
 
 _DISK_FORMS = "'auto' (the default), 'none' (no disk tier) or an existing folder"
@@ -397,7 +481,7 @@ def capacity() -> tuple[int, str]:
         return host, where + (f" with no disk tier (OFFCACHE_DISK_DIR=auto found no folder: {reason})" if reason
                               else " with no disk tier (OFFCACHE_DISK_DIR=none)")  # fmt: skip
     try:
-        st = os.statvfs(disk)
+        st = os.statvfs(_existing(disk))
         free = st.f_bavail * st.f_frsize
     except OSError:
         free = 0
@@ -474,6 +558,8 @@ def configure(
     )
     disk_path, auto_reason = _disk_dir(disk, disk_name)
     _C.configure(disk_dir=disk_path, **settings)
+    global _pending_disk_dir
+    _pending_disk_dir = disk_path if disk_path and not os.path.isdir(disk_path) else ""
     _resolved.clear()
     _resolved.update(settings, disk_dir=disk_path, disk_auto_reason=auto_reason)
 
@@ -553,7 +639,10 @@ def store(values: Sequence[Tensor], device: torch.device, allow_spill: bool = Tr
     The result holds what the values held at the call, whatever the caller does to them
     afterwards. With allow_spill=False a value that does not fit the arena comes back as is.
     """
-    return _C.store(list(values), device, allow_spill)
+    values = list(values)
+    if _pending_disk_dir:
+        make_disk_dir(sum(v.numel() * v.element_size() for v in values))
+    return _C.store(values, device, allow_spill)
 
 
 def fetch(stored: Sequence[Tensor], device: torch.device, wait: bool = True) -> tuple[list[Tensor], Ticket]:

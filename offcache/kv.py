@@ -128,10 +128,13 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
 
     if a.config:
+        from offcache._extras import MissingExtraError
         from offcache.plan import load_config
 
         try:
             config = load_config(a.config)
+        except MissingExtraError as exc:
+            p.exit(2, f"{p.prog}: {exc}\n")  # one line: what to install
         except (ValueError, OSError) as exc:
             p.error(str(exc))
         size = kv_bytes_for_config(config, a.batch, a.tokens, a.dtype)

@@ -10,6 +10,7 @@ import dataclasses
 import inspect
 import sys
 
+from offcache._extras import require
 from offcache.cache import IntermediatesCache, IntermediateValue
 
 # (module, attribute) -> the original object, while patched.
@@ -134,6 +135,7 @@ def patch_llmcompressor(weights: bool = False) -> list[str]:
     Returns the patched module names. Refuses (LLMCompressorDriftError, nothing
     patched) when the installed llm-compressor's API differs from offcache's.
     """
+    require("llmcompressor", "llmcompressor", "offcache.patch_llmcompressor()")
     # Import the modules that hold the class, so that they are patched too.
     import llmcompressor.modifiers.transform.awq.base  # noqa: F401
     import llmcompressor.pipelines.cache as source

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from offcache import _engine, plan_sim, plan_trace
+from offcache._extras import require
 
 GiB = 1 << 30
 ALIGN = plan_sim.ALIGN
@@ -220,7 +221,7 @@ def load_config(name: str | os.PathLike):
 
     Never waits on the network; raises ValueError naming what was given when it is none of these.
     """
-    from transformers import AutoConfig
+    AutoConfig = require("transformers", "transformers", "offcache.plan with a model config (--config)").AutoConfig
 
     path = os.fspath(name)
     if os.path.isdir(path):
@@ -268,7 +269,7 @@ def _tiers(peak: int, settings: dict) -> Tiers:
     free = 0
     if disk_dir:
         try:
-            st = os.statvfs(disk_dir)
+            st = os.statvfs(_engine._existing(disk_dir))  # made when first needed
             free = st.f_bavail * st.f_frsize
         except OSError:
             free = 0

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from offcache import plan as _plan
+from offcache._extras import MissingExtraError, require
 from offcache.plan import _h, _seconds
 
 # The lines whose numbers depend on the machine (its memory, GPU, disk, offcache's configuration);
@@ -164,8 +165,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     shape = config = None
     if a.model_type:
-        from transformers import AutoConfig
-
+        try:
+            AutoConfig = require("transformers", "transformers", "offcache.plan --model-type").AutoConfig
+        except MissingExtraError as exc:
+            ap.exit(2, f"{ap.prog}: {exc}\n")  # one line: what to install
         try:
             config = AutoConfig.for_model(a.model_type)
         except ValueError:
@@ -195,6 +198,8 @@ def main(argv=None) -> int:
             gpu_bytes=None if a.gpu_gib is None else int(a.gpu_gib * _plan.GiB),
             pinned_gbps=a.pinned_gbps, pageable_gbps=a.pageable_gbps, disk_write_gbps=write, disk_read_gbps=read,
         )  # fmt: skip
+    except MissingExtraError as exc:
+        ap.exit(2, f"{ap.prog}: {exc}\n")  # one line: what to install
     except (ValueError, OSError, KeyError) as exc:
         ap.error(str(exc))
     if a.json:

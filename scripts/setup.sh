@@ -11,7 +11,13 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt
 # With a CUDA toolkit here, failing to compile the CUDA path is an error, not a fallback.
 if [ -e "${CUDA_HOME:-/usr/local/cuda}/include/cuda_runtime_api.h" ]; then export OFFCACHE_FORCE_CUDA=1; fi
-MAX_JOBS=${MAX_JOBS:-$(nproc)} .venv/bin/python setup.py -q build_ext --inplace
+# The compiler's command lines go to a log, shown only if the build fails.
+log=$(mktemp)
+if ! MAX_JOBS=${MAX_JOBS:-$(nproc)} .venv/bin/python setup.py -q build_ext --inplace >"$log" 2>&1; then
+  cat "$log" >&2; rm -f "$log"; echo "scripts/setup.sh: building offcache's engine failed (log above)" >&2; exit 1
+fi
+grep '^offcache:' "$log" || true  # e.g. "building the host-only engine: <why>"
+rm -f "$log"
 # The editable install only registers the checkout (and the offcache-bench script): the
 # engine was just built in place, so it is not compiled a second time here.
 if ! .venv/bin/python -m pip show -q offcache >/dev/null 2>&1; then

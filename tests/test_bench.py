@@ -46,7 +46,10 @@ def test_all_tiny_from_the_checkout_root_writes_results_and_plots(tmp_path):
     assert {"offcache", "raw_pinned", "pageable_to"} <= transfer_impls
     assert all(r["gbps"] > 0 for r in results["transfer"])
     pipeline_impls = {r["impl"] for r in results["pipeline"]}
-    assert {"offcache_iter", "offcache_iter_prefetch", "ideal_on_gpu"} <= pipeline_impls
+    baseline = "ideal_on_gpu" if results["device"]["type"] == "cuda" else "no_offload"  # no GPU-only row on a CPU
+    assert {"offcache_iter", "offcache_iter_prefetch", baseline} <= pipeline_impls
+    assert "ideal_on_gpu" in pipeline_impls or results["device"]["type"] != "cuda"
+    assert results["device"]["type"] == "cuda" or "ideal_on_gpu" not in pipeline_impls
     duplex = next(r for r in results["overlap"] if r["case"] == "duplex")
     assert duplex["ratio_to_one_direction"] > 0
     for png in ("bandwidth.png", "pipeline.png", "timeline.png"):
@@ -64,6 +67,13 @@ def test_all_tiny_from_the_checkout_root_writes_results_and_plots(tmp_path):
     assert rows["offcache"]["completed"] and rows["offcache"]["equal_to_dynamic"] is True
     assert rows["offcache"]["tokens_generated"] == rows["dynamic"]["tokens_generated"]
     assert all(r["completed"] in (True, False, None) for r in results["kv"])
+    if results["device"]["type"] != "cuda":  # transformers' offloaded caches use CUDA streams: not run, and why
+        for r in results["kv"]:
+            if r["impl"] in ("transformers_offloaded", "transformers_static_offloaded"):
+                assert r["completed"] is None and r["note"].startswith("needs a GPU"), r
+        from offcache.bench.common import cpu_model
+
+        assert results["device"]["name"] == (cpu_model() or results["device"]["name"])
 
 
 def test_main_returns_0_and_a_later_section_keeps_earlier_results(tmp_path, capsys):

@@ -109,9 +109,14 @@ def xdg(tmp_path, monkeypatch):
 
 def test_auto_is_a_private_folder_under_xdg_cache_home(engine_config, xdg, monkeypatch):
     monkeypatch.delenv("OFFCACHE_DISK_DIR", raising=False)
-    engine_config(backend="host")
+    engine_config(backend="host", pinned_limit="1MiB", min_chunk="256KiB", host_limit="2MiB")
     folder = xdg / "offcache"
     assert _engine.settings()["disk_dir"] == str(folder) and _engine.settings()["disk_auto_reason"] == ""
+    assert not xdg.exists()  # made when first needed, not when configured
+    cache = IntermediatesCache.empty(4, "cpu")
+    with pytest.warns(offcache.SpillWarning):
+        for i in range(4):
+            cache.update(i, {"x": torch.full((MiB // 4,), float(i))})
     assert folder.is_dir() and (folder.stat().st_mode & 0o777) == 0o700
 
 
@@ -153,6 +158,7 @@ def test_auto_refuses_tmpfs_and_says_why(engine_config, monkeypatch):
 @pytest.mark.parametrize("fs", ["tmpfs", "ramfs"])
 def test_auto_refuses_memory_file_systems_from_mountinfo(tmp_path, fs):
     proc = fake_proc(tmp_path, "0::/\n", [("/", "/", "ext4", "rw"), ("/", str(tmp_path / "mem"), fs, "rw")])
+    (tmp_path / "mem").mkdir()  # a mount point exists; the folders under it are not made to check them
     folder, why = _engine.auto_disk_dir({"XDG_CACHE_HOME": str(tmp_path / "mem" / "cache")}, proc)
     assert folder == "" and f"is on {fs}" in why
     folder, why = _engine.auto_disk_dir({"XDG_CACHE_HOME": str(tmp_path / "disk")}, proc)

@@ -17,6 +17,8 @@ redrawn from everything the file holds.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -26,17 +28,42 @@ from tqdm import tqdm
 
 import offcache
 from offcache.bench.common import Context, device_info, load_results, run_info, save_results
-from offcache.bench.plots import plot_all
 
 ALL = ("transfer", "overlap", "small", "pipeline", "kv")
 SECTIONS = (*ALL, "soak", "oneshot", "disk", "weights")
 # The results.json keys each section writes.
 KEYS = {"pipeline": ("pipeline", "pinned", "timeline")}
+# Sections that measure a peer: (the package, the offcache extra that installs it).
+NEEDS = {"kv": ("transformers", "kv"), "oneshot": ("llmcompressor", "llmcompressor"),
+         "weights": ("llmcompressor", "llmcompressor")}  # fmt: skip
+
+
+def missing_peer(name: str) -> str:
+    """Why section `name` cannot run here ('' when it can): its peer package is not installed."""
+    if name not in NEEDS:
+        return ""
+    package, extra = NEEDS[name]
+    if not missing_module(package):
+        return ""
+    return f"section {name} skipped: it needs {package}, which is not installed: pip install 'offcache[{extra}]'"
+
+
+def missing_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is None
+    except (ImportError, ValueError):
+        return True
+
+
+def prog() -> str:
+    """How this command was called: the console script's name, else python -m offcache.bench."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return name if name.startswith("offcache-bench") else "python -m offcache.bench"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     doc = __doc__.split("\n\n")
-    p = argparse.ArgumentParser(prog="python -m offcache.bench", description=doc[1], epilog=doc[2])
+    p = argparse.ArgumentParser(prog=prog(), description=doc[1], epilog=doc[2])
     p.add_argument("sections", nargs="*", metavar="SECTION", choices=("all", *SECTIONS), default="all",
                    help="all (default), " + ", ".join(SECTIONS))  # fmt: skip
     p.add_argument("--quick", action="store_true", help="smaller sizes (<1 min on CPU, <1 min on a GPU)")
@@ -45,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="cuda:N (default: cuda:0 if present, else cpu)")
     p.add_argument("--ops", type=int, default=None, help="soak: operations (default 100000; --quick 30000)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    args.command = " ".join(["python -m offcache.bench", shlex.join(sys.argv[1:] if argv is None else argv)]).strip()
+    args.command = " ".join([prog(), shlex.join(sys.argv[1:] if argv is None else argv)]).strip()
     return args
 
 
@@ -106,10 +133,17 @@ def run(args: argparse.Namespace) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "results.json"
     names = sections_of(args)
+    skipped = {}
     for name in tqdm(names, desc="offcache.bench", unit="section", disable=len(names) < 2):
+        why = missing_peer(name)
+        if why:
+            print(why, file=sys.stderr, flush=True)
+            skipped[name] = why
+            continue
         measured = run_section(name, ctx, args)
         results = load_results(path)  # re-read: another run may have added sections meanwhile
         results.update(measured)
+        results.get("skipped", {}).pop(name, None)
         results.setdefault("runs", {})[name] = run_info(ctx, args.command)
         results.update(
             device=device_info(device),
@@ -122,9 +156,22 @@ def run(args: argparse.Namespace) -> dict:
             engine_stats=offcache.stats(),
         )
         save_results(path, results)
-    results["plots"] = plot_all(results, args.out)
+    results = load_results(path)
+    if skipped:
+        results.setdefault("skipped", {}).update(skipped)
+    results.setdefault("device", device_info(device))
+    results.setdefault("backend", backend)
+    if missing_module("matplotlib"):
+        why = "plots not drawn: they need matplotlib, which is not installed: pip install 'offcache[bench]'"
+        print(why, file=sys.stderr, flush=True)
+        results["plots"] = []
+    else:
+        from offcache.bench.plots import plot_all
+
+        results["plots"] = plot_all(results, args.out)
     save_results(path, results)
-    results["sections_run"] = names
+    results["sections_run"] = [n for n in names if n not in skipped]
+    results["sections_skipped"] = skipped
     return results
 
 
@@ -137,7 +184,8 @@ def main(argv=None) -> int:
 
 def summary(r: dict, names=SECTIONS) -> str:
     """A few lines per section in `names` that `r` holds."""
-    lines = [f"offcache.bench — backend: {r['backend']} — {r['device']['name']} — {r['note']}"]
+    lines = [f"offcache.bench — backend: {r['backend']} — {r['device']['name']} — {r.get('note', '')}"]
+    lines += list(r.get("sections_skipped", {}).values())
     if "transfer" in names and r.get("transfer"):
         top = max(x["bytes"] for x in r["transfer"])
         lines.append(f"transfer at {top >> 20} MiB (GB/s):")

@@ -47,6 +47,28 @@ def timed(ctx: Context, fn, repeats: int, warmup: int = 2, setup=None) -> list[f
     return out
 
 
+# A sample shorter than this is dominated by the clock and by scheduling: a 2-core machine's
+# scheduler hands out slices of several ms, and one preemption inside a 20 us copy made it read
+# 8 ms. Short calls are repeated within one sample until it lasts at least this long.
+MIN_SAMPLE_S = 0.02
+
+
+def timed_per_call(ctx: Context, fn, repeats: int, warmup: int = 2, min_sample_s: float = MIN_SAMPLE_S):
+    """(seconds per call of `fn()` for each of `repeats` samples, calls per sample).
+
+    Each sample runs `fn` enough times back to back to last at least `min_sample_s` (found from
+    the warm-up calls), synchronised before and after, and is divided by that count.
+    """
+    one = min(timed(ctx, fn, max(1, warmup), warmup=0))
+    calls = max(1, min(100_000, -(-int(min_sample_s * 1e9) // max(1, int(one * 1e9)))))
+
+    def batch():
+        for _ in range(calls):
+            fn()
+
+    return [t / calls for t in timed(ctx, batch, repeats, warmup=0)], calls
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
@@ -78,12 +100,25 @@ def device_info(device: torch.device) -> dict:
         except Exception as exc:  # noqa: BLE001 - best effort, recorded
             info["pcie"] = f"not readable: {type(exc).__name__}"
     else:
-        import os
         import platform
 
-        info["name"] = platform.processor() or platform.machine()
+        info["name"] = cpu_model() or platform.processor() or platform.machine()
+        info["arch"] = platform.machine()
         info["cpus"] = os.cpu_count()
     return info
+
+
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's model name from /proc/cpuinfo ('' where there is none)."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "Model", "cpu model") and value.strip():
+                    return " ".join(value.split())
+    except OSError:
+        pass
+    return ""
 
 
 def bump_version(t: torch.Tensor) -> None:

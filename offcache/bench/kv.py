@@ -52,6 +52,13 @@ class _StepClock:
         return scores
 
 
+# transformers' offloaded caches move layers with CUDA streams and events: they need a GPU.
+NEEDS_GPU = {
+    "transformers_offloaded": "needs a GPU: transformers' DynamicCache(offloading=True) uses CUDA streams",
+    "transformers_static_offloaded": "needs a GPU: transformers' StaticCache(offloading=True) uses CUDA streams",
+}
+
+
 def _caches(model):
     import transformers
 
@@ -118,6 +125,10 @@ def run_case(ctx: Context, model, case: str, prompt: int, new_tokens: int, repea
     rows, ref_out = [], None
     for impl, make_cache in (caches or _caches(model)).items():
         row = {"impl": impl, "case": case, "prompt_tokens": prompt, "max_new_tokens": new_tokens}
+        if impl in NEEDS_GPU and not ctx.gpu:
+            row.update(completed=None, note=NEEDS_GPU[impl])
+            rows.append(row)
+            continue
         try:
             _run(ctx, model, ids, make_cache, min(new_tokens, 3), **generate_kwargs)  # warm-up, not recorded
             runs, out = [], None
@@ -139,6 +150,8 @@ def run_case(ctx: Context, model, case: str, prompt: int, new_tokens: int, repea
             ttft_spread=spread(ttfts),
             decode_tokens_per_s_median=median(rates) if rates else None,
             decode_spread=spread(rates) if rates else None,
+            decode_tokens_per_s_min=min(rates) if rates else None,
+            decode_tokens_per_s_max=max(rates) if rates else None,
             repeats=repeats,
             host_max_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         )

@@ -66,8 +66,13 @@ def implementations(ctx: Context) -> dict:
         impls["llmcompressor_iter_prefetch"] = (LC, "cpu", 1)
     except ImportError:
         pass
-    impls["ideal_on_gpu"] = (offcache.IntermediatesCache, None, 0)
+    impls[baseline(ctx)] = (offcache.IntermediatesCache, None, 0)
     return impls
+
+
+def baseline(ctx: Context) -> str:
+    """The row with no offload: values stay where they were computed (on a GPU, the ideal)."""
+    return "ideal_on_gpu" if ctx.gpu else "no_offload"
 
 
 def _layer(x: torch.Tensor, weight: torch.Tensor, matmuls: int) -> torch.Tensor:
@@ -138,11 +143,19 @@ def run_pipeline(ctx: Context) -> tuple[list[dict], list[dict], dict]:
     rows = []
     for name, rs in runs.items():
         walls = [r["wall_s"] for r in rs]
-        row = {**rs[-1], "impl": name, "wall_s": median(walls), "spread": spread(walls), "repeats": repeats}
+        row = {
+            **rs[-1],
+            "impl": name,
+            "wall_s": median(walls),
+            "spread": spread(walls),
+            "repeats": repeats,
+            "wall_min_s": min(walls),
+            "wall_max_s": max(walls),
+        }
         if name.startswith("offcache") and impls[name][1] is not None:
             row["peak_pinned_reserved_bytes"] = offcache.stats()["peak_pinned_reserved_bytes"]
         rows.append({**row, **shape.__dict__})
-    ideal = next(r for r in rows if r["impl"] == "ideal_on_gpu")["wall_s"]
+    ideal = next(r for r in rows if r["impl"] == baseline(ctx))["wall_s"]
     # The copy bound: the same loop through offcache's prefetch with no compute.
     no_compute = dataclasses.replace(shape, matmuls=0)
     copies = median([run_one(ctx, no_compute, offcache.IntermediatesCache, "cpu", 1)["wall_s"] for _ in range(repeats)])

@@ -24,24 +24,52 @@ def plot_all(results: dict, out: Path) -> list[str]:
     return [str(f) for f in files]
 
 
+CPU_CAVEAT = (
+    "No GPU: the host backend's copies are memcpys on the CPU. Compare rows of this figure "
+    "with each other (ratios); they are not GPU or PCIe figures."
+)
+
+
+def _title(results: dict, what: str) -> str:
+    dev = results["device"]
+    where = dev["name"] + (f", {dev['cpus']} CPUs" if dev.get("cpus") else "")
+    return f"{what} — backend: {results['backend']}, {where}"
+
+
+def _caveat(fig, results: dict) -> None:
+    """The CPU caveat on the figure itself, under the axes."""
+    if results["device"].get("type") != "cuda":
+        fig.text(0.5, 0.005, CPU_CAVEAT, ha="center", va="bottom", fontsize=8, color="dimgray", wrap=True)
+
+
+def _save(fig, results: dict, path: Path) -> Path:
+    cpu = results["device"].get("type") != "cuda"
+    fig.tight_layout(rect=(0, 0.05 if cpu else 0, 1, 1))
+    _caveat(fig, results)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _bandwidth(results: dict, path: Path) -> Path:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for ax, direction in zip(axes, ("store", "fetch")):
         impls = sorted({r["impl"] for r in results["transfer"]})
         for impl in impls:
             rows = [r for r in results["transfer"] if r["impl"] == impl and r["direction"] == direction]
-            ax.plot([r["bytes"] for r in rows], [r["gbps"] for r in rows], marker="o", label=impl)
+            xs = [r["bytes"] for r in rows]
+            (line,) = ax.plot(xs, [r["gbps"] for r in rows], marker="o", label=impl)
+            if all("gbps_min" in r for r in rows):  # the spread of the samples, min to max
+                lo, hi = [r["gbps_min"] for r in rows], [r["gbps_max"] for r in rows]
+                ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("bytes per copy")
         ax.set_title(f"{direction} ({'D2H' if direction == 'store' else 'H2D'})")
         ax.grid(True, alpha=0.3)
-    axes[0].set_ylabel("GB/s (median)")
+    axes[0].set_ylabel("GB/s (median; band: min to max)")
     axes[0].legend()
-    fig.suptitle(f"offcache transfer bandwidth — backend: {results['backend']}, {results['device']['name']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    fig.suptitle(_title(results, "offcache transfer bandwidth"))
+    return _save(fig, results, path)
 
 
 def _end_to_end(results: dict, path: Path) -> Path:
@@ -49,25 +77,27 @@ def _end_to_end(results: dict, path: Path) -> Path:
     fig, axes = plt.subplots(len(panels), 1, figsize=(10, 3.2 * len(panels)), squeeze=False)
     for ax, (key, draw) in zip(axes[:, 0], panels):
         draw(results[key], ax)
-    fig.suptitle(f"Wall time and throughput — backend: {results['backend']}, {results['device']['name']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    fig.suptitle(_title(results, "Wall time and throughput"))
+    return _save(fig, results, path)
 
 
-def _bars(ax, labels: list[str], values: list[float], fmt: str, color: str) -> None:
-    ax.barh(labels, values, color=color)
+def _bars(ax, labels: list[str], values: list[float], fmt: str, color: str, lo=None, hi=None) -> None:
+    """Horizontal bars; with lo/hi (each value's min and max), a line from min to max."""
+    err = None
+    if lo is not None and hi is not None and all(x is not None for x in (*lo, *hi)):
+        err = [[v - a for v, a in zip(values, lo)], [b - v for v, b in zip(values, hi)]]
+    ax.barh(labels, values, color=color, xerr=err, error_kw={"ecolor": "black", "capsize": 3, "lw": 1})
     for i, v in enumerate(values):
-        ax.text(v, i, " " + fmt.format(v), va="center")
+        ax.text(v if err is None else v + err[1][i], i, " " + fmt.format(v), va="center")
     ax.invert_yaxis()
     ax.margins(x=0.15)
 
 
 def _pipeline(rows: list[dict], ax) -> None:
     rows = [r for r in rows if "wall_s" in r]
-    _bars(ax, [r["impl"] for r in rows], [r["wall_s"] for r in rows], "{:.3g}s", "tab:blue")
-    ax.set_xlabel("wall time (s)")
+    _bars(ax, [r["impl"] for r in rows], [r["wall_s"] for r in rows], "{:.3g}s", "tab:blue",
+          [r.get("wall_min_s") for r in rows], [r.get("wall_max_s") for r in rows])  # fmt: skip
+    ax.set_xlabel("wall time (s): median, line min to max")
     ax.set_title("Simulated sequential pipeline")
 
 
@@ -86,10 +116,20 @@ def _oneshot(rows: list[dict], ax) -> None:
 
 
 def _kv(rows: list[dict], ax) -> None:
-    rows = [r for r in rows if r.get("completed") and r.get("decode_tokens_per_s_median")]
+    """Decode tokens/s; a row that could not run here is a labelled gap saying why."""
+    rows = [r for r in rows if "prompt_tokens" in r]
     labels = [f"{r['case']} ({r['prompt_tokens']} tokens): {r['impl']}" for r in rows]
-    _bars(ax, labels, [r["decode_tokens_per_s_median"] for r in rows], "{:.4g}", "tab:green")
-    ax.set_xlabel("decode tokens/s (median)")
+    values = [r.get("decode_tokens_per_s_median") or 0.0 for r in rows]
+    ok = [bool(r.get("completed") and r.get("decode_tokens_per_s_median")) for r in rows]
+    lo = [r.get("decode_tokens_per_s_min") if k else v for r, v, k in zip(rows, values, ok)]
+    hi = [r.get("decode_tokens_per_s_max") if k else v for r, v, k in zip(rows, values, ok)]
+    _bars(ax, labels, values, "{:.4g}", "tab:green", lo, hi)
+    for i, (r, k) in enumerate(zip(rows, ok)):
+        if not k:
+            why = r.get("note") or ("failed: " + (r.get("error") or "no decode rate"))
+            ax.text(0, i, " " + why.split(":")[0] if why.startswith("needs a GPU") else " " + why[:60],
+                    va="center", color="gray" if r.get("completed") is None else "red")  # fmt: skip
+    ax.set_xlabel("decode tokens/s (median, line min to max)")
     ax.set_title("KV cache decode (greedy)")
 
 
@@ -103,9 +143,6 @@ def _timeline(tl: dict, results: dict, path: Path) -> Path:
         ax.broken_barh([(start, max(end - start, 1e-3))], (lanes[lane] - 0.4, 0.8), color=colors[lane])
     ax.set_yticks([0, 1, 2], ["D2H stream", "H2D stream", "compute"])
     ax.set_xlabel(f"ms ({tl['origin']})")
-    ax.set_title(f"iter_prefetch, {tl['steps']} propagation steps — backend: {results['backend']}")
+    ax.set_title(_title(results, f"iter_prefetch, {tl['steps']} propagation steps"))
     ax.grid(True, axis="x", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, results, path)

@@ -9,7 +9,7 @@ import torch
 
 import offcache
 from offcache import _engine
-from offcache.bench.common import Context, bump_version, gbps, median, spread, timed
+from offcache.bench.common import Context, bump_version, gbps, median, spread, timed, timed_per_call
 
 CPU = torch.device("cpu")
 
@@ -83,10 +83,11 @@ def _transfer_at(ctx: Context, size: int) -> list[dict]:
     }
     rows = []
     for (impl, direction), fn in impls.items():
-        secs = timed(ctx, fn, n)
+        secs, calls = timed_per_call(ctx, fn, n)
         rows.append({
-            "impl": impl, "direction": direction, "bytes": size, "repeats": n,
+            "impl": impl, "direction": direction, "bytes": size, "repeats": n, "calls_per_sample": calls,
             "median_s": median(secs), "spread": spread(secs), "gbps": gbps(size, median(secs)),
+            "gbps_min": gbps(size, max(secs)), "gbps_max": gbps(size, min(secs)),
         })  # fmt: skip
     return rows
 
