@@ -314,7 +314,10 @@ def _subgraphs(config, shape, dtype, sizes, seq_len, sequential_targets, targets
         except ImportError as exc:
             reason = f"llm-compressor is not importable here ({exc})"
         except Exception as exc:  # what llm-compressor cannot trace, the pipeline cannot run either
-            reason = f"the model could not be traced here ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+            reason = (
+                "llm-compressor's trace of the model, or a run of its subgraphs, fails here (as it would in the "
+                f"pipeline): {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            )
         shape = shape_of_config(config)
     else:
         reason = "no model config was given, only its sizes"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -190,14 +191,16 @@ def main(argv=None) -> int:
         write = read = a.disk_gbps
         if a.bench_results:
             write, read = _disk_gbps(a.bench_results)
-        p = _plan.estimate(
-            config, samples=a.samples, seq_len=a.seq_len, dtype=a.dtype, batch_size=a.batch_size,
-            onload=a.onload, shape=shape, sequential_targets=a.sequential_targets,
-            targets_per_subgraph=a.targets_per_subgraph, collator=a.collator,
-            propagate_error=not a.no_propagate_error, uniform_lengths=a.uniform_lengths,
-            gpu_bytes=None if a.gpu_gib is None else int(a.gpu_gib * _plan.GiB),
-            pinned_gbps=a.pinned_gbps, pageable_gbps=a.pageable_gbps, disk_write_gbps=write, disk_read_gbps=read,
-        )  # fmt: skip
+        with contextlib.redirect_stdout(sys.stderr):  # what llm-compressor logs on import is not the plan
+            p = _plan.estimate(
+                config, samples=a.samples, seq_len=a.seq_len, dtype=a.dtype, batch_size=a.batch_size,
+                onload=a.onload, shape=shape, sequential_targets=a.sequential_targets,
+                targets_per_subgraph=a.targets_per_subgraph, collator=a.collator,
+                propagate_error=not a.no_propagate_error, uniform_lengths=a.uniform_lengths,
+                gpu_bytes=None if a.gpu_gib is None else int(a.gpu_gib * _plan.GiB),
+                pinned_gbps=a.pinned_gbps, pageable_gbps=a.pageable_gbps, disk_write_gbps=write,
+                disk_read_gbps=read,
+            )  # fmt: skip
     except MissingExtraError as exc:
         ap.exit(2, f"{ap.prog}: {exc}\n")  # one line: what to install
     except (ValueError, OSError, KeyError) as exc:

@@ -177,8 +177,11 @@ def test_an_untraceable_model_falls_back_to_the_formula_and_says_why(monkeypatch
 
     monkeypatch.setattr(plan_trace, "trace", refuse)
     p = plan.estimate(transformers.LlamaConfig(**TINY), samples=2, seq_len=8)
-    assert p.method == "formula" and "could not be traced" in p.method_reason
-    assert "Llama formula (FALLBACK: the model could not be traced here (RuntimeError" in plan.render(p)
+    assert p.method == "formula" and "trace of the model, or a run of its subgraphs, fails" in p.method_reason
+    assert (
+        "Llama formula (FALLBACK: llm-compressor's trace" in plan.render(p)
+        and "RuntimeError: symbolic" in p.method_reason
+    )
 
 
 def test_tiers_disk_time_and_advice_follow_the_configuration(engine_config, tmp_path):

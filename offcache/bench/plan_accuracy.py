@@ -222,7 +222,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--options",
         nargs="*",
-        default=["llama", "gemma2", "qwen3_moe"],
+        default=["llama", "gemma2", "gemma3"],
         choices=list(FAMILIES),
         help="families also run with each of OPTIONS (Linear targets, 2 per subgraph, varied lengths)",
     )
