@@ -107,3 +107,23 @@ def test_short_calls_are_repeated_until_a_sample_spans_the_minimum(monkeypatch):
     assert calls == 2000 and per_call == pytest.approx([1e-5] * 3)
     _, calls = common.timed_per_call(ctx, lambda: clock.__setitem__(0, clock[0] + 0.05), repeats=2)
     assert calls == 1  # long calls are timed one at a time
+
+
+def test_cpu_baselines_copy_on_one_thread_like_the_host_backend():
+    """torch's intra-op threads turned a 64 KiB copy into a parallel region that waited ms for a
+    descheduled thread on a busy 2-core machine (the 8 ms per copy in bandwidth.png)."""
+    from offcache.bench import transfer
+
+    ctx = Context(device=torch.device("cpu"), quick=True, tiny=True, backend="host")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with transfer._baseline_threads(ctx, "raw_pinned"):
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with transfer._baseline_threads(ctx, "offcache"):
+            assert torch.get_num_threads() == 2
+        rows = transfer._transfer_at(ctx, 65536)
+    finally:
+        torch.set_num_threads(before)
+    assert {r["impl"]: r["threads"] for r in rows} == {"offcache": None, "raw_pinned": 1, "pageable_to": 1}

@@ -66,7 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=prog(), description=doc[1], epilog=doc[2])
     p.add_argument("sections", nargs="*", metavar="SECTION", choices=("all", *SECTIONS), default="all",
                    help="all (default), " + ", ".join(SECTIONS))  # fmt: skip
-    p.add_argument("--quick", action="store_true", help="smaller sizes (<1 min on CPU, <1 min on a GPU)")
+    p.add_argument("--quick", action="store_true",
+                   help="smaller sizes (about 2 min on an idle 2-core CPU; longer on a busy one)")  # fmt: skip
     p.add_argument("--tiny", action="store_true", help="smallest sizes: checks the harness, not speed")
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="folder for results.json and plots")
     p.add_argument("--device", default=None, help="cuda:N (default: cuda:0 if present, else cpu)")

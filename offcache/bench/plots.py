@@ -63,6 +63,7 @@ def _bandwidth(results: dict, path: Path) -> Path:
                 lo, hi = [r["gbps_min"] for r in rows], [r["gbps_max"] for r in rows]
                 ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0)
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")  # bandwidths span decades on a loaded CPU: small ones stay readable
         ax.set_xlabel("bytes per copy")
         ax.set_title(f"{direction} ({'D2H' if direction == 'store' else 'H2D'})")
         ax.grid(True, alpha=0.3)
@@ -88,7 +89,8 @@ def _bars(ax, labels: list[str], values: list[float], fmt: str, color: str, lo=N
         err = [[v - a for v, a in zip(values, lo)], [b - v for v, b in zip(values, hi)]]
     ax.barh(labels, values, color=color, xerr=err, error_kw={"ecolor": "black", "capsize": 3, "lw": 1})
     for i, v in enumerate(values):
-        ax.text(v if err is None else v + err[1][i], i, " " + fmt.format(v), va="center")
+        if v:  # a row that did not run says why instead (the caller's text)
+            ax.text(v if err is None else v + err[1][i], i, " " + fmt.format(v), va="center")
     ax.invert_yaxis()
     ax.margins(x=0.15)
 
