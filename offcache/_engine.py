@@ -24,6 +24,7 @@ from __future__ import annotations
 import operator
 import os
 import re
+import time
 import warnings
 from collections.abc import Sequence
 from decimal import Decimal
@@ -693,6 +694,13 @@ def copy_into(dsts: Sequence[Tensor], srcs: Sequence[Tensor], wait: bool = False
 def set_timing(on: bool) -> None:
     """Time every copy batch with timed events (stats' d2h_seconds / h2d_seconds). Off by default."""
     _C.set_timing(bool(on))
+
+
+def wait_on_host(ticket: Ticket | None) -> None:
+    """Block the calling thread until `ticket`'s copies completed (on a GPU too, where ``ticket.wait()``
+    only orders a stream): then the host memory they read can be written."""
+    while ticket is not None and not ticket.query():
+        time.sleep(20e-6)
 
 
 def wait_stored(t: Tensor) -> None:

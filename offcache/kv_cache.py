@@ -38,6 +38,17 @@ from offcache.static_kv_cache import OffloadedStaticKVCache  # noqa: F401  (the 
 _CPU = torch.device("cpu")
 
 
+@functools.cache
+def cache_kwarg() -> str:
+    """The keyword under which the installed transformers takes a cache in ``generate`` and ``forward``:
+    ``cache`` where it has it (5.24 deprecates ``past_key_values``), else ``past_key_values``."""
+    import inspect
+
+    from transformers import LlamaModel
+
+    return "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
+
+
 def _on_cpu(index):
     return index.to(_CPU) if isinstance(index, torch.Tensor) else index
 
@@ -51,13 +62,14 @@ class _Offloaded:
         self.__dict__.setdefault("_host_k", [])
         self.__dict__.setdefault("_host_v", [])
         self._prefetched = None  # (device tensors, ticket, version fetched, number of K chunks)
+        self._last_read = None  # the ticket of the last H2D copy that read the host chunks
         self._version = 0  # bumped by every change of the host chunks: a prefetch of an older one is stale
 
     # keys / values: what transformers' layers expose, read from the arena ------------------------
 
     @property
     def keys(self) -> torch.Tensor | None:
-        return self._host_tensors()[0]
+        return self._handed_out()[0]
 
     @keys.setter
     def keys(self, t) -> None:
@@ -65,7 +77,7 @@ class _Offloaded:
 
     @property
     def values(self) -> torch.Tensor | None:
-        return self._host_tensors()[1]
+        return self._handed_out()[1]
 
     @values.setter
     def values(self, t) -> None:
@@ -82,6 +94,16 @@ class _Offloaded:
     def _set_length(self, n: int) -> None:
         pass
 
+    def _handed_out(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """K and V for code outside the cache: host tensors it may edit in place, through ``.data`` or
+        numpy too, where no version counter sees it. So any prefetch of this layer is dropped (the next
+        update fetches what the host tensors hold then), and the copies still reading them complete
+        first (on a GPU a fetch's H2D copy can still be reading when the forward returns)."""
+        self._drop_prefetch(on_host=True)
+        _engine.wait_on_host(self.__dict__.get("_last_read"))
+        self._last_read = None
+        return self._host_tensors()
+
     def _host_tensors(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The layer's K and V as single arena tensors, written: waits for this layer's copies."""
         if not self._host_k:
@@ -89,7 +111,7 @@ class _Offloaded:
         k, v = self._joined()
         if len(self._host_k) > 1 or len(self._host_v) > 1:  # joined once; later reads are free
             k, v = _engine.store([k, v], _CPU)
-            self._host_k, self._host_v = [k], [v]  # same values: an in-flight prefetch stays valid
+            self._host_k, self._host_v = [k], [v]  # same values: a prefetch would stay valid
             self._wait([k, v])
         return k, v
 
@@ -130,14 +152,21 @@ class _Offloaded:
             if pre is not None:
                 pre[1].wait()  # a stale prefetch: ordered before its memory is reused
             n = len(self._host_k)
-            tensors, _ = _engine.fetch(self._host_k + self._host_v, self.device, True)
+            tensors, ticket = _engine.fetch(self._host_k + self._host_v, self.device, True)
+        self._last_read = ticket
         k, v = tensors[:n], tensors[n:]
         return (k[0] if len(k) == 1 else torch.cat(k, dim=-2)), (v[0] if len(v) == 1 else torch.cat(v, dim=-2))
 
+    def _drop_prefetch(self, on_host: bool = False) -> None:
+        pre, self._prefetched = self.__dict__.get("_prefetched"), None
+        if pre is not None:
+            pre[1].wait()  # ordered before its device memory is reused
+            if on_host:  # and before the host writes what it reads
+                _engine.wait_on_host(pre[1])
+
     def _drop_offloaded(self) -> None:
-        if self._prefetched is not None:
-            self._prefetched[1].wait()
-        self._host_k, self._host_v, self._prefetched = [], [], None
+        self._drop_prefetch()
+        self._host_k, self._host_v = [], []
         self._changed()
 
     # transformers' operations, on the host K/V -------------------------------------------------
@@ -182,7 +211,7 @@ class _Offloaded:
         k, v = self._host_tensors()  # waits for this layer's copies
         state = dict(self.__dict__)
         state["_host_k"], state["_host_v"] = ([k], [v]) if k is not None else ([], [])
-        state["_prefetched"] = None  # a ticket: the copy fetches again
+        state["_prefetched"] = state["_last_read"] = None  # tickets: the copy fetches again
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -279,7 +308,8 @@ class OffloadedSlidingLayer(_Offloaded, DynamicSlidingWindowLayer):
 class OffloadedKVCache(DynamicCache):
     """A ``DynamicCache`` whose offloadable layers keep their K/V in offcache's pinned arena.
 
-    Usage: ``model.generate(**inputs, past_key_values=OffloadedKVCache(config=model.config))``.
+    Usage: ``model.generate(**inputs, cache=OffloadedKVCache(config=model.config))`` (``past_key_values=``
+    before transformers 5.24: ``cache_kwarg()`` names the installed one's keyword).
     """
 
     def __init__(self, config=None, offload_sliding: bool = False, compact_every: int = 16):
@@ -305,6 +335,18 @@ class OffloadedKVCache(DynamicCache):
         if nxt is not None:
             self.layers[nxt].prefetch()  # overlaps with this layer's attention and MLP
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+
+    def reset(self) -> None:
+        """Every layer empty, as a new cache: resident dynamic layers are dropped as transformers 5.24's are
+        (before it, they were zeroed and kept their length, so the next tokens followed zeros)."""
+        for layer in self.layers:
+            if isinstance(layer, _Offloaded) or "reset" in vars(DynamicLayer) or not isinstance(layer, DynamicLayer):
+                layer.reset()
+            else:
+                layer.keys = layer.values = None
+                layer.is_initialized = False
+                if hasattr(layer, "cumulative_length"):
+                    layer.cumulative_length = 0
 
     def _next_offloaded(self, layer_idx: int) -> int | None:
         n = len(self.layers)

@@ -44,7 +44,13 @@ import itertools
 import weakref
 
 import torch
-from transformers.cache_utils import StaticCache, StaticLayer, StaticSlidingWindowLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import (
+    DynamicLayer,
+    StaticCache,
+    StaticLayer,
+    StaticSlidingWindowLayer,
+    get_layer_types_and_kwargs,
+)
 
 from offcache import _engine
 
@@ -64,9 +70,9 @@ class _BufferPool(dict):
 class _Buffers:
     """Two device buffers of one layer's K/V shape, alternating between the layers that share them."""
 
-    def __init__(self, k_shape, v_shape, dtype, device):
-        self.k = [torch.zeros(k_shape, dtype=dtype, device=device) for _ in range(2)]
-        self.v = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(2)]
+    def __init__(self, k_shape, v_shape, k_dtype, v_dtype, device):
+        self.k = [torch.zeros(k_shape, dtype=k_dtype, device=device) for _ in range(2)]
+        self.v = [torch.zeros(v_shape, dtype=v_dtype, device=device) for _ in range(2)]
         if not torch.compiler.is_compiling():
             for t in self.k + self.v:
                 torch._dynamo.mark_static_address(t)
@@ -78,11 +84,29 @@ class _Buffers:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
 
+def _buffer_key(layer) -> tuple:
+    """What a layer's device buffers are shared by: K and V shapes, K and V dtypes, device."""
+    k, v = layer.__dict__["_host_k"], layer.__dict__["_host_v"]
+    return tuple(k.shape), tuple(v.shape), k.dtype, v.dtype, layer.device
+
+
 def _tokens_to_remove(tokens_to_remove: int, current: int) -> int:
-    """transformers' crop argument: negative, tokens to remove; positive (legacy), the length to keep."""
+    """transformers' crop argument: negative, tokens to remove; positive (legacy), the length to keep,
+    where the installed transformers still takes that form."""
     if tokens_to_remove > 0:
+        _refuse_positive_crop(tokens_to_remove)
         return 0 if tokens_to_remove >= current else current - tokens_to_remove
     return -tokens_to_remove
+
+
+def _refuse_positive_crop(tokens_to_remove: int) -> None:
+    """A positive crop, refused with the installed transformers' own error where it refuses one: 5.24's
+    StaticLayer.crop takes negative values only; before it, static layers had no crop and the dynamic
+    rule applies (5.23 refuses a positive value, 5.17 warns that it is deprecated)."""
+    if "crop" in vars(StaticLayer):
+        StaticLayer(max_cache_len=1).crop(tokens_to_remove)  # a throwaway layer: raises
+    else:
+        DynamicLayer().crop(tokens_to_remove)  # an empty layer: raises, warns, or keeps all
 
 
 def _check_croppable(layer, remove: int) -> None:
@@ -126,6 +150,7 @@ class _StaticOffloaded:
         self._host_k = self._host_v = None
         self._dev_k = self._dev_v = None  # the device buffer, while StaticSlidingWindowLayer.update runs
         self._prefetched = None  # (buffer index, positions fetched, ticket)
+        self._last_read = None  # the ticket of the last H2D copy that read the arena layer
 
     # keys / values: the arena layer (the device buffer during a sliding update) ------------------
 
@@ -149,9 +174,14 @@ class _StaticOffloaded:
     def values(self, t) -> None:
         self._assign("_host_v", t)
 
-    @staticmethod
-    def _host_view(t):
+    def _host_view(self, t):
+        """The arena layer, handed out: code outside may edit it in place (through ``.data`` or numpy
+        too, where no version counter sees it), so a prefetch of it is dropped (the next update fetches
+        what it holds then) and the H2D copies still reading it complete first."""
         if t is not None:
+            self._drop_prefetch(on_host=True)
+            _engine.wait_on_host(self.__dict__.get("_last_read"))
+            self._last_read = None
             _engine.wait_stored(t)  # the D2H copies into it (copy_into) have landed
         return t
 
@@ -164,12 +194,13 @@ class _StaticOffloaded:
         self.__dict__[name] = t
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        # K and V each keep their own dtype (transformers 5.24 allows them to differ).
         self.dtype, self.device = key_states.dtype, key_states.device
         self.batch_size, self.num_heads = key_states.shape[:2]
         self.k_head_dim, self.v_head_dim = key_states.shape[-1], value_states.shape[-1]
         k_shape = (self.batch_size, self.num_heads, self.max_cache_len, self.k_head_dim)
         v_shape = (self.batch_size, self.num_heads, self.max_cache_len, self.v_head_dim)
-        self._set_arena(torch.zeros(k_shape, dtype=self.dtype), torch.zeros(v_shape, dtype=self.dtype))
+        self._set_arena(torch.zeros(k_shape, dtype=key_states.dtype), torch.zeros(v_shape, dtype=value_states.dtype))
         self.cumulative_length = self.cumulative_length.to(self.device)
         if not torch.compiler.is_compiling():
             torch._dynamo.mark_static_address(self.cumulative_length)
@@ -185,10 +216,9 @@ class _StaticOffloaded:
 
     def _resolve_buffers(self) -> _Buffers:
         if self._buffers is None:
-            k_shape, v_shape = tuple(self._host_k.shape), tuple(self._host_v.shape)
-            key = (k_shape, v_shape, self.dtype, self.device)
+            key = _buffer_key(self)
             if key not in self._all_buffers:
-                self._all_buffers[key] = _Buffers(k_shape, v_shape, self.dtype, self.device)
+                self._all_buffers[key] = _Buffers(*key)
             self._buffers = self._all_buffers[key]
         return self._buffers
 
@@ -216,20 +246,20 @@ class _StaticOffloaded:
     def _take_buffer(self, valid_after: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A device buffer holding the filled prefix, zero from `valid_after` on (the update fills the rest)."""
         bufs, n = self._resolve_buffers(), self._filled()
+        i = 1 - bufs.current
         pre, self._prefetched = self._prefetched, None
-        if pre is not None and pre[1] == n and bufs.reserved is self and pre[0] == 1 - bufs.current:
-            i = pre[0]
+        if pre is not None and pre[1] == n and bufs.reserved is self and pre[0] == i:
             pre[2].wait()  # the current stream waits for the H2D copy
+            self._last_read = pre[2]
         else:
             if pre is not None:
                 pre[2].wait()  # a stale prefetch: ordered before anything touches its buffer again
-            i = 1 - bufs.current
             if n:
                 dsts, srcs = (
                     [bufs.k[i][:, :, :n], bufs.v[i][:, :, :n]],
                     [self._host_k[:, :, :n], self._host_v[:, :, :n]],
                 )
-                _engine.copy_into(dsts, srcs, True)
+                self._last_read = _engine.copy_into(dsts, srcs, True)
         bufs.current, bufs.reserved = i, None
         k, v = bufs.k[i], bufs.v[i]
         if bufs.written[i] > valid_after:  # left by a longer sequence (after reset()): zero it again
@@ -247,10 +277,12 @@ class _StaticOffloaded:
         srcs = [t.clone(memory_format=torch.contiguous_format) for t in (key_states, value_states)]
         _engine.copy_into([self._host_k[:, :, start:end], self._host_v[:, :, start:end]], srcs, False)
 
-    def _drop_prefetch(self) -> None:
-        if self.__dict__.get("_prefetched") is not None:
-            self._prefetched[2].wait()
-            self._prefetched = None
+    def _drop_prefetch(self, on_host: bool = False) -> None:
+        pre, self._prefetched = self.__dict__.get("_prefetched"), None
+        if pre is not None:
+            pre[2].wait()  # ordered before anything touches its buffer again
+            if on_host:  # and before the host writes what it reads
+                _engine.wait_on_host(pre[2])
 
     # transformers' operations, on the arena -----------------------------------------------------
 
@@ -297,7 +329,7 @@ class _StaticOffloaded:
         state = dict(self.__dict__)
         if self._host_k is not None:
             state["_host_k"], state["_host_v"] = self.keys, self.values  # waits for the D2H copies
-        state.update(_buffers=None, _prefetched=None, _dev_k=None, _dev_v=None)
+        state.update(_buffers=None, _prefetched=None, _last_read=None, _dev_k=None, _dev_v=None)
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -392,16 +424,18 @@ class OffloadedStaticSlidingLayer(_StaticOffloaded, StaticSlidingWindowLayer):
         self.cumulative_length.zero_()
 
 
-_CACHES: dict[int, weakref.ref] = {}  # handle -> cache, for the custom op
+# handle -> cache, for the custom op: weak values, so a dropped cache's entry goes with it.
+_CACHES: weakref.WeakValueDictionary[int, OffloadedStaticKVCache] = weakref.WeakValueDictionary()
 _HANDLES = itertools.count()
 
 
 class OffloadedStaticKVCache(StaticCache):
     """A ``StaticCache`` whose full-attention layers keep their K/V in offcache's pinned arena.
 
-    Usage: ``model.generate(**inputs, past_key_values=OffloadedStaticKVCache(config=model.config,
-    max_cache_len=n))``. ``max_batch_size``, ``dtype`` and ``device`` are accepted as StaticCache
-    accepts them, and likewise unused: shapes, dtype and device come from the first update.
+    Usage: ``model.generate(**inputs, cache=OffloadedStaticKVCache(config=model.config, max_cache_len=n))``
+    (``past_key_values=`` before transformers 5.24). ``max_batch_size``, ``dtype`` and ``device`` are
+    accepted as StaticCache accepts them, and likewise unused: shapes, dtype and device come from the
+    first update.
     """
 
     def __init__(
@@ -428,7 +462,7 @@ class OffloadedStaticKVCache(StaticCache):
 
     def _register(self) -> None:
         self._handle = next(_HANDLES)
-        _CACHES[self._handle] = weakref.ref(self)
+        _CACHES[self._handle] = self
         # A tensor, not an int: dynamo guards on int attributes (a recompile per cache), not on tensor values.
         self._handle_t = torch.tensor(self._handle)
 
@@ -500,8 +534,7 @@ class OffloadedStaticKVCache(StaticCache):
 
     def _drop_unused_buffers(self) -> None:
         """Device buffers of the old batch size: no layer will take them again."""
-        shapes = {(tuple(ly._host_k.shape), tuple(ly._host_v.shape), ly.dtype, ly.device)
-                  for ly in self.layers if isinstance(ly, _StaticOffloaded) and ly._host_k is not None}  # fmt: skip
+        shapes = {_buffer_key(ly) for ly in self.layers if isinstance(ly, _StaticOffloaded) and ly._host_k is not None}
         for key in [k for k in self._buffers if k not in shapes]:
             del self._buffers[key]
 
@@ -526,22 +559,36 @@ def _kv_shared_sources(config) -> set[int]:
     return {len(types) - 1 - types[::-1].index(t) for t in set(types)}
 
 
+def _run_update(key_states, value_states, cumulative_length, handle, layer_idx):
+    """The eager update of an offloaded layer, called from a compiled graph: host bookkeeping at every call."""
+    cache = _CACHES[int(handle)]
+    layer = cache.layers[layer_idx]
+    # The op mutates only what it declares: the update advances the `cumulative_length` it was given.
+    # Under inductor that is a copy of the layer's own (a graph input), which the graph itself may
+    # still read after this call (rotary positions, the mask) and writes back at its end.
+    own, layer.cumulative_length = layer.cumulative_length, cumulative_length
+    try:
+        return cache._update_eager(key_states, value_states, layer_idx)
+    finally:
+        now = layer.cumulative_length
+        if now is not cumulative_length:  # lazy_initialization moved it to the device: the layer keeps that
+            cumulative_length.copy_(now)
+            own = now
+        layer.cumulative_length = own
+
+
 @torch.library.custom_op("offcache::static_kv_update", mutates_args=("cumulative_length",),
                          tags=(torch.Tag.cudagraph_unsafe,))  # fmt: skip
 def _static_kv_update(
-    key_states: torch.Tensor,
-    value_states: torch.Tensor,
-    cumulative_length: torch.Tensor,
+    key_states: torch.Tensor,  # [batch, heads, new, k_dim]
+    value_states: torch.Tensor,  # [batch, heads, new, v_dim]
+    cumulative_length: torch.Tensor,  # [] int64
     handle: torch.Tensor,
     layer_idx: int,
     out_len: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One offloaded layer's update, run eagerly from a compiled graph (host bookkeeping at every call)."""
-    cache = _CACHES[int(handle)]()
-    layer = cache.layers[layer_idx]
-    k, v = cache._update_eager(key_states, value_states, layer_idx)
-    if cumulative_length is not layer.cumulative_length:  # a functionalized copy: carries the new length out
-        cumulative_length.copy_(layer.cumulative_length)
+    k, v = _run_update(key_states, value_states, cumulative_length, handle, layer_idx)
     # Copies: graph outputs must not alias the device buffers that later layers' prefetches rewrite.
     return k.clone(), v.clone()
 

@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import torch
 
+from offcache.kv_cache import cache_kwarg
+
+
+def kw(cache) -> dict:
+    """The cache as the installed transformers takes it: ``cache=`` (5.24+), else ``past_key_values=``."""
+    return {cache_kwarg(): cache}
+
 
 def fill(model, cache, prompt):
     """`cache` after one forward of `prompt` (the prompt-reuse recipe's first step)."""
     with torch.no_grad():
-        model(input_ids=prompt, past_key_values=cache, use_cache=True)
+        model(input_ids=prompt, **kw(cache), use_cache=True)
     return cache
 
 
@@ -24,14 +31,14 @@ def select_repeat_decode(model, cache, ids):
     """Prefill `ids` (3 rows), keep rows [2, 0], decode 4 steps, repeat each row twice, decode
     8 more: the last two rows' tokens. Drives batch_select_indices and batch_repeat_interleave."""
     with torch.no_grad():
-        step = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        step = model(input_ids=ids, **kw(cache), use_cache=True).logits[:, -1:].argmax(-1)
         cache.batch_select_indices(torch.tensor([2, 0]))
         step, tokens = step[[2, 0]], []
         for i in range(12):
             if i == 4:
                 cache.batch_repeat_interleave(2)
                 step = step.repeat_interleave(2, dim=0)
-            step = model(input_ids=step, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            step = model(input_ids=step, **kw(cache), use_cache=True).logits[:, -1:].argmax(-1)
             tokens.append(step[-2:])
     return torch.cat(tokens, dim=1)
 

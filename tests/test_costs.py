@@ -90,20 +90,21 @@ def test_timed_events_only_while_tracing_or_timing(host_engine):
 def test_kv_decode_step_moves_one_copy_per_host_chunk(engine_config):
     pytest.importorskip("transformers")
     from offcache.bench.models import causal_lm
+    from tests.kv_models import kw
 
     engine_config(backend="host")
     model = causal_lm("llama")
     cache = offcache.OffloadedKVCache(config=model.config, compact_every=4)
     ids = torch.randint(1, 128, (1, 6), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        out = model(input_ids=ids, **kw(cache), use_cache=True)
         step = out.logits[:, -1:].argmax(-1)
         for _ in range(2):  # warm
-            step = model(input_ids=step, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            step = model(input_ids=step, **kw(cache), use_cache=True).logits[:, -1:].argmax(-1)
         offcache.synchronize()
         chunks = sum(len(layer._host_k) for layer in cache.layers)  # K and V share a block per chunk
         with Delta() as d:
-            model(input_ids=step, past_key_values=cache, use_cache=True)
+            model(input_ids=step, **kw(cache), use_cache=True)
     layers = model.config.num_hidden_layers
     assert d["h2d_copies"] <= chunks
     assert d["d2h_copies"] <= layers  # the new token's K and V, one block per layer

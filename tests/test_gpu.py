@@ -523,3 +523,33 @@ def test_disk_weights_prefetched_onto_the_gpu(tmp_path):
         assert offcache.stats()["file_fetches"] - before["file_fetches"] == 2
     finally:
         oc_ct.unpatch()
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_kv_in_place_edit_right_after_a_forward_is_seen_and_races_nothing(static):
+    """Issue 24 items 1-2 on a GPU: the forward returns while H2D copies may still read the arena;
+    editing a layer's host K/V at once must neither reach those copies nor be missed by the next step."""
+    import transformers
+
+    from offcache.bench.models import causal_lm
+    from tests.kv_models import kw
+
+    model = causal_lm("llama", DEV, num_hidden_layers=4, num_key_value_heads=4)
+    ids = torch.randint(1, 128, (4, 256), generator=torch.Generator().manual_seed(0)).to(DEV)
+    if static:
+        caches = (transformers.StaticCache(config=model.config, max_cache_len=300),
+                  offcache.OffloadedStaticKVCache(config=model.config, max_cache_len=300))  # fmt: skip
+    else:
+        caches = (transformers.DynamicCache(config=model.config), offcache.OffloadedKVCache(config=model.config))
+    logits = []
+    with torch.no_grad():
+        for cache in caches:
+            first = model(input_ids=ids, **kw(cache), use_cache=True).logits
+            second = model(input_ids=first[:, -1:].argmax(-1), **kw(cache), use_cache=True).logits
+            for layer in (0, 3):  # 0: prefetched for the next step; 3: its fetch may still be in flight
+                cache.layers[layer].keys.mul_(0.5)
+                cache.layers[layer].values.neg_()
+            third = model(input_ids=second[:, -1:].argmax(-1), **kw(cache), use_cache=True).logits
+            logits.append((second, third))
+    for want, got in zip(logits[0], logits[1]):
+        assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()

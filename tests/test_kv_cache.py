@@ -7,7 +7,8 @@ import offcache
 import offcache.kv_cache
 from offcache import _engine
 from offcache.bench.models import causal_lm
-from tests.kv_models import copier, fill, select_repeat_decode
+from offcache.kv_cache import cache_kwarg
+from tests.kv_models import copier, fill, kw, select_repeat_decode
 
 transformers = pytest.importorskip("transformers")
 
@@ -21,7 +22,7 @@ def generate(model, input_ids, cache, new_tokens):
         return model.generate(
             input_ids=input_ids,
             attention_mask=torch.ones_like(input_ids),
-            past_key_values=cache,
+            **kw(cache),
             max_new_tokens=new_tokens,
             do_sample=False,
             pad_token_id=0,
@@ -78,7 +79,7 @@ def test_manual_forward_loop_without_config(engine):
         step_ids, tokens = ids, []
         with torch.no_grad():
             for _ in range(10):
-                logits = model(input_ids=step_ids, past_key_values=cache, use_cache=True).logits
+                logits = model(input_ids=step_ids, **kw(cache), use_cache=True).logits
                 step_ids = logits[:, -1:].argmax(-1)
                 tokens.append(step_ids)
         outs[name] = torch.cat(tokens, dim=1)
@@ -123,7 +124,7 @@ def run(model, ids, cache, new, **kwargs):
     """generate with `kwargs` overriding the greedy defaults (seeded, for sampling)."""
     torch.manual_seed(0)
     with torch.no_grad():
-        return model.generate(**{"input_ids": ids, "attention_mask": torch.ones_like(ids), "past_key_values": cache,
+        return model.generate(**{"input_ids": ids, "attention_mask": torch.ones_like(ids), cache_kwarg(): cache,
                                  "max_new_tokens": new, "do_sample": False, "pad_token_id": 0, **kwargs})  # fmt: skip
 
 
@@ -229,12 +230,12 @@ def test_crop_follows_transformers_rules(engine):
         cache = offcache.OffloadedKVCache(config=model.config, offload_sliding=offload_sliding)
         for c in (ref, cache):
             with torch.no_grad():
-                model(input_ids=random_ids(1, 6, seed=5), past_key_values=c, use_cache=True)
+                model(input_ids=random_ids(1, 6, seed=5), **kw(c), use_cache=True)
             c.crop(-2)
         assert_same_layers(cache, ref)
         for c in (ref, cache):
             with torch.no_grad():
-                model(input_ids=random_ids(1, 6, seed=6), past_key_values=c, use_cache=True)
+                model(input_ids=random_ids(1, 6, seed=6), **kw(c), use_cache=True)
         errors = []
         for c in (ref, cache):
             with pytest.raises(RuntimeError) as e:
@@ -246,7 +247,7 @@ def test_crop_follows_transformers_rules(engine):
     outcomes = []
     for c in (ref, cache):
         with torch.no_grad():
-            llama(input_ids=random_ids(2, 7, seed=7), past_key_values=c, use_cache=True)
+            llama(input_ids=random_ids(2, 7, seed=7), **kw(c), use_cache=True)
         c.crop(-3)
         try:  # the legacy form (keep 2): deprecated, then refused by newer transformers; the same either way
             c.crop(2)
@@ -279,3 +280,101 @@ def test_copied_cache_generates_like_dynamic_cache(engine, layers, kind, offload
     assert_same_layers(copied, ref)
     assert torch.equal(run(model, ids, copy_of(filled), 10), want)  # the original is intact
     assert torch.equal(run(model, ids, filled, 10), want)
+
+
+# In-place edits of a layer's keys / values (issue 24, item 1) -------------------------------------
+
+
+def edit_in_place(layer, how: str) -> None:
+    """Halve the layer's K and negate its V in place, through the tensor, ``.data`` or numpy."""
+    for t, f in ((layer.keys, 0.5), (layer.values, -1.0)):
+        if how == "tensor":
+            t.mul_(f)
+        elif how == "data":
+            t.data.mul_(f)
+        else:
+            a = t.numpy()
+            a *= f
+
+
+@pytest.mark.parametrize("engine", ["default", "host-1MiB-slow"], indirect=True)
+@pytest.mark.parametrize("how", ["tensor", "data", "numpy"])
+@pytest.mark.parametrize("kind, offload_sliding", [("llama", False), ("mistral", True)])
+def test_in_place_edit_of_layer_kv_is_seen_by_the_next_step(engine, how, kind, offload_sliding):
+    """Prefill, edit layer 0's K/V in place (the layer the last layer's update prefetched), decode:
+    DynamicCache's logits. A prefetch taken before the edit must not be served."""
+    model = tiny_model(kind)
+    ids = random_ids(2, 6, seed=21)
+    logits = {}
+    caches = {"ref": transformers.DynamicCache(config=model.config),
+              "ours": offcache.OffloadedKVCache(config=model.config, offload_sliding=offload_sliding)}  # fmt: skip
+    for name, cache in caches.items():
+        with torch.no_grad():
+            out = model(input_ids=ids, **kw(cache), use_cache=True).logits
+            if name == "ours" and engine.get("host_copy_delay_us") is None:
+                offcache.synchronize()  # else: the edit while the prefetch is in flight
+            edit_in_place(cache.layers[0], how)
+            step = out[:, -1:].argmax(-1)
+            logits[name] = model(input_ids=step, **kw(cache), use_cache=True).logits
+    assert torch.equal(logits["ours"], logits["ref"])
+    assert_same_layers(caches["ours"], caches["ref"])
+
+
+# transformers 5.24 (issue 25): keys and values of different dtypes, the `cache=` keyword ----------
+
+
+@pytest.mark.parametrize("engine", ["host"], indirect=True)
+@pytest.mark.parametrize("offload_sliding", [False, True])
+def test_keys_and_values_of_different_dtypes(engine, offload_sliding):
+    """Each keeps its own dtype (5.24's DynamicLayer does); the returned K/V are the concatenations."""
+    model = tiny_model("mistral" if offload_sliding else "llama")
+    cache = offcache.OffloadedKVCache(config=model.config, offload_sliding=offload_sliding)
+    g = torch.Generator().manual_seed(0)
+    chunks = [(torch.randn(2, 2, n, 16, generator=g), torch.randn(2, 2, n, 16, generator=g).to(torch.bfloat16))
+              for n in (3, 1, 2)]  # fmt: skip
+    for i, (k, v) in enumerate(chunks):
+        for layer in range(len(cache.layers)):
+            got_k, got_v = cache.update(k, v, layer)
+        want_k = torch.cat([c[0] for c in chunks[: i + 1]], dim=-2)
+        want_v = torch.cat([c[1] for c in chunks[: i + 1]], dim=-2)
+        assert got_k.dtype == torch.float32 and got_v.dtype == torch.bfloat16
+        assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    for layer in cache.layers:
+        assert torch.equal(layer.keys, want_k) and torch.equal(layer.values, want_v)
+
+
+def test_no_past_key_values_warning_from_offcache():
+    """generate and forward get the cache under the installed transformers' keyword: on 5.24, whose
+    `past_key_values` is deprecated, no FutureWarning about it comes from offcache's code."""
+    import warnings
+
+    from offcache.bench.common import Context
+    from offcache.bench.kv import _run
+
+    model = tiny_model("llama")
+    ids = random_ids(1, 4, seed=3)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*past_key_values.*", category=FutureWarning)
+        fill(model, offcache.OffloadedKVCache(config=model.config), ids)
+        run(model, ids, offcache.OffloadedKVCache(config=model.config), 3)
+        ctx = Context(device=torch.device("cpu"), quick=True, tiny=True, backend=_engine.backend_name())
+        _run(ctx, model, ids, lambda: offcache.OffloadedKVCache(config=model.config), 3)
+    assert cache_kwarg() in ("cache", "past_key_values")
+
+
+@pytest.mark.parametrize("engine", ["host"], indirect=True)
+@pytest.mark.parametrize("kind, offload_sliding", [("llama", False), ("mistral", False), ("mistral", True)])
+def test_reset_then_a_new_prompt_as_a_new_cache(engine, kind, offload_sliding):
+    """After reset() the cache is empty: a new prompt gives a new DynamicCache's logits (resident
+    sliding layers too, which transformers before 5.24 zeroed and kept at their length)."""
+    model = tiny_model(kind)
+    cache = fill(model, offcache.OffloadedKVCache(config=model.config, offload_sliding=offload_sliding),
+                 random_ids(2, 5, seed=40))  # fmt: skip
+    cache.reset()
+    assert cache.get_seq_length() == 0
+    ids = random_ids(2, 3, seed=41)
+    with torch.no_grad():
+        got = model(input_ids=ids, **kw(cache), use_cache=True).logits
+        want = model(input_ids=ids, **kw(transformers.DynamicCache(config=model.config)), use_cache=True).logits
+    assert torch.equal(got, want)
+    assert_same_layers(cache, fill(model, transformers.DynamicCache(config=model.config), ids))

@@ -12,7 +12,7 @@ import torch
 
 from offcache.kv_cache import OffloadedKVCache
 from offcache.static_kv_cache import OffloadedStaticKVCache
-from tests.kv_models import tiny_causal_lm, tiny_mlp_moe_lm
+from tests.kv_models import kw, tiny_causal_lm, tiny_mlp_moe_lm
 
 transformers = pytest.importorskip("transformers")
 
@@ -29,7 +29,7 @@ def generate(model, cache, new):
     ids = torch.randint(1, 128, (2, 5), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         return model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new,
+            input_ids=ids, attention_mask=torch.ones_like(ids), **kw(cache), max_new_tokens=new,
             do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True,
         )  # fmt: skip
 

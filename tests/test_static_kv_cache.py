@@ -7,8 +7,9 @@ import offcache
 import offcache.static_kv_cache
 from offcache import _engine
 from offcache.bench.models import causal_lm
+from offcache.kv_cache import cache_kwarg
 from offcache.static_kv_cache import OffloadedStaticKVCache
-from tests.kv_models import copier, fill, select_repeat_decode
+from tests.kv_models import copier, fill, kw, select_repeat_decode
 
 transformers = pytest.importorskip("transformers")
 
@@ -23,7 +24,7 @@ def tiny_model(kind: str, device=None):
 def generate(model, ids, cache, new_tokens, **kwargs):
     with torch.no_grad():
         return model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new_tokens,
+            input_ids=ids, attention_mask=torch.ones_like(ids), **kw(cache), max_new_tokens=new_tokens,
             do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True, **kwargs,
         )  # fmt: skip
 
@@ -140,7 +141,7 @@ def test_traffic_is_new_tokens_down_and_filled_prefix_up(engine, batch):
         for step in range(8):
             offcache.synchronize()
             before = offcache.stats()
-            logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+            logits = model(input_ids=ids, **kw(cache), use_cache=True).logits
             offcache.synchronize()
             after = offcache.stats()
             n, per_token = ids.shape[1], step_bytes(cache)
@@ -264,7 +265,7 @@ def run(model, ids, cache, new, **kwargs):
     """generate with `kwargs` overriding the greedy defaults (seeded, for sampling)."""
     torch.manual_seed(0)
     with torch.no_grad():
-        return model.generate(**{"input_ids": ids, "attention_mask": torch.ones_like(ids), "past_key_values": cache,
+        return model.generate(**{"input_ids": ids, "attention_mask": torch.ones_like(ids), cache_kwarg(): cache,
                                  "max_new_tokens": new, "do_sample": False, "pad_token_id": 0, **kwargs})  # fmt: skip
 
 
@@ -341,13 +342,13 @@ def test_crop_of_sliding_layers(engine, offload_sliding):
     ref = transformers.StaticCache(config=model.config, max_cache_len=16)
     cache = OffloadedStaticKVCache(config=model.config, max_cache_len=16, offload_sliding=offload_sliding)
     with torch.no_grad():
-        want = model(input_ids=ids, past_key_values=ref, use_cache=True).logits
-        model(input_ids=ids[:, :6], past_key_values=cache, use_cache=True)
+        want = model(input_ids=ids, **kw(ref), use_cache=True).logits
+        model(input_ids=ids[:, :6], **kw(cache), use_cache=True)
         cache.crop(-2)
         assert int(cache.get_seq_length()) == 4
-        got = model(input_ids=ids[:, 4:], past_key_values=cache, use_cache=True).logits
+        got = model(input_ids=ids[:, 4:], **kw(cache), use_cache=True).logits
         assert torch.allclose(got, want[:, 4:], atol=1e-5)
-        model(input_ids=ids[:, :2], past_key_values=cache, use_cache=True)  # 9 > window 8: one dropped
+        model(input_ids=ids[:, :2], **kw(cache), use_cache=True)  # 9 > window 8: one dropped
     with pytest.raises(RuntimeError, match="sliding window"):
         cache.crop(-1)
     cache.crop(0)  # removes nothing: fine
@@ -415,3 +416,148 @@ def test_reduce_overhead_fullgraph_same_tokens_on_cuda(kind, offload_sliding):
     finally:
         model.forward = forward
         torch._dynamo.reset()
+
+
+# In-place edits, the op registry, inductor (issue 24, items 2, 3, 7) ------------------------------
+
+
+def edit_in_place(layer, how: str) -> None:
+    """Halve the layer's K and negate its V in place, through the tensor, ``.data`` or numpy."""
+    for t, f in ((layer.keys, 0.5), (layer.values, -1.0)):
+        if how == "tensor":
+            t.mul_(f)
+        elif how == "data":
+            t.data.mul_(f)
+        else:
+            a = t.numpy()
+            a *= f
+
+
+@pytest.mark.parametrize("engine", ["default", "host-1MiB-slow"], indirect=True)
+@pytest.mark.parametrize("how", ["tensor", "data", "numpy"])
+@pytest.mark.parametrize("kind, offload_sliding", [("llama", False), ("mistral", True)])
+def test_in_place_edit_of_layer_kv_is_seen_by_the_next_step(engine, how, kind, offload_sliding):
+    """Prefill, edit layer 0's K/V in place (the layer the last layer's update prefetched), decode:
+    StaticCache's logits, with copies slowed too (a prefetch still reading the arena races the edit)."""
+    model = tiny_model(kind)
+    ids = random_ids(2, 6, seed=21)
+    logits = {}
+    ours = OffloadedStaticKVCache(config=model.config, max_cache_len=16, offload_sliding=offload_sliding)
+    caches = {"ref": transformers.StaticCache(config=model.config, max_cache_len=16), "ours": ours}
+    for name, cache in caches.items():
+        with torch.no_grad():
+            out = model(input_ids=ids, **kw(cache), use_cache=True).logits
+            if name == "ours" and engine.get("host_copy_delay_us") is None:
+                offcache.synchronize()  # else: the edit while the prefetch is in flight
+            edit_in_place(cache.layers[0], how)
+            step = out[:, -1:].argmax(-1)
+            logits[name] = model(input_ids=step, **kw(cache), use_cache=True).logits
+    assert torch.equal(logits["ours"], logits["ref"])
+    assert_same_layers(caches["ours"], caches["ref"])
+
+
+def test_a_dropped_cache_leaves_the_op_registry():
+    """The custom op finds a cache by handle; the registry holds it weakly: no growth per cache built."""
+    import gc
+
+    from offcache.static_kv_cache import _CACHES
+
+    model = tiny_model("llama")
+    gc.collect()
+    before = len(_CACHES)
+    cache = fill(model, OffloadedStaticKVCache(config=model.config, max_cache_len=8), random_ids(1, 3, seed=1))
+    handle = cache._handle
+    assert _CACHES[handle] is cache
+    del cache
+    gc.collect()
+    assert handle not in _CACHES
+    for _ in range(100):
+        OffloadedStaticKVCache(config=model.config, max_cache_len=8)
+    gc.collect()
+    assert len(_CACHES) == before
+
+
+def test_torch_compile_inductor_fullgraph_logits_per_step():
+    """The default backend (inductor, on the CPU), fullgraph: per step the logits of StaticCache compiled
+    the same way, and of eager, across reset() and a new prompt. Inductor hands the custom op a copy of
+    `cumulative_length` while the graph reads the layer's own: the op must advance only the copy."""
+    model = causal_lm("llama", num_hidden_layers=1)
+    forward = model.forward
+    compiled = torch.compile(forward, fullgraph=True)
+    torch._dynamo.reset()
+
+    def run_steps(cache, fwd, prompt, decode):
+        """Eager prefill (as generate does), then `decode` steps through `fwd`: every step's logits."""
+        out = []
+        with torch.no_grad():
+            logits = forward(input_ids=prompt, **kw(cache), use_cache=True).logits
+            for _ in range(decode):
+                out.append(logits[:, -1])
+                logits = fwd(input_ids=logits[:, -1:].argmax(-1), **kw(cache), use_cache=True).logits
+        return out + [logits[:, -1]]
+
+    caches = {name: (cls(config=model.config, max_cache_len=16), fwd)
+              for name, cls, fwd in (("eager", transformers.StaticCache, forward),
+                                     ("static", transformers.StaticCache, compiled),
+                                     ("ours", OffloadedStaticKVCache, compiled))}  # fmt: skip
+    try:
+        for prompt in (random_ids(1, 5, seed=31), random_ids(1, 3, seed=32)):
+            got = {}
+            for name, (cache, fwd) in caches.items():
+                cache.reset()
+                got[name] = run_steps(cache, fwd, prompt, 3)
+            for step, (ours, static, eager) in enumerate(zip(got["ours"], got["static"], got["eager"])):
+                assert torch.allclose(static, eager, atol=1e-5), step  # the reference itself
+                assert torch.allclose(ours, static, atol=1e-5), (step, (ours - static).abs().max())
+    finally:
+        torch._dynamo.reset()
+
+
+# transformers 5.24 (issue 25): keys and values of different dtypes, crops by its rule -------------
+
+
+@pytest.mark.parametrize("engine", ["host", "host-1MiB-slow"], indirect=True)
+@pytest.mark.parametrize("offload_sliding", [False, True])
+def test_keys_and_values_of_different_dtypes(engine, offload_sliding):
+    """Each keeps its own dtype in the arena and the device buffers (5.24's StaticLayer does)."""
+    model = tiny_model("mistral" if offload_sliding else "llama")
+    cache = OffloadedStaticKVCache(config=model.config, max_cache_len=8, offload_sliding=offload_sliding)
+    g = torch.Generator().manual_seed(0)
+    chunks = [(torch.randn(2, 2, n, 16, generator=g), torch.randn(2, 2, n, 16, generator=g).to(torch.bfloat16))
+              for n in (3, 1, 2)]  # fmt: skip
+    for k, v in chunks:
+        for layer in range(len(cache.layers)):
+            got_k, got_v = cache.update(k, v, layer)
+        assert got_k.dtype == torch.float32 and got_v.dtype == torch.bfloat16
+    want_k, want_v = (torch.cat([c[i] for c in chunks], dim=-2) for i in (0, 1))
+    assert torch.equal(got_k[:, :, :6], want_k) and torch.equal(got_v[:, :, :6], want_v)
+    assert not got_k[:, :, 6:].any() and not got_v[:, :, 6:].any()
+    for layer in cache.layers:
+        assert layer.keys.dtype == torch.float32 and layer.values.dtype == torch.bfloat16
+        assert torch.equal(layer.keys[:, :, :6], want_k) and torch.equal(layer.values[:, :, :6], want_v)
+    assert cache.device_buffer_bytes() == 2 * 2 * 2 * 8 * 16 * (4 + 2)  # 2 buffers of K fp32 and V bf16
+
+
+@pytest.mark.parametrize("engine", ["host"], indirect=True)
+@pytest.mark.parametrize("kind, offload_sliding", [("llama", False), ("mistral", False), ("mistral", True)])
+def test_positive_crop_follows_the_installed_transformers(engine, kind, offload_sliding):
+    """crop(n > 0), the legacy "keep n": refused with transformers' own error where it refuses it (5.24's
+    StaticLayer.crop; 5.23's dynamic rule), else the length kept: as transformers' cache does."""
+    from transformers.cache_utils import StaticLayer
+
+    model = tiny_model(kind)
+    ids = random_ids(1, 7, seed=14)
+    ours = fill(model, OffloadedStaticKVCache(config=model.config, max_cache_len=16, offload_sliding=offload_sliding),
+                ids)  # fmt: skip
+    static_crops = "crop" in vars(StaticLayer)  # else static layers have no crop: the dynamic rule is the one
+    ref = fill(model, transformers.StaticCache(config=model.config, max_cache_len=16) if static_crops
+               else transformers.DynamicCache(config=model.config), ids)  # fmt: skip
+    outcomes = []
+    for c in (ref, ours):
+        try:
+            c.crop(4)
+            outcomes.append(None)
+        except (ValueError, RuntimeError) as e:
+            outcomes.append((type(e), str(e)))
+    assert outcomes[0] == outcomes[1]
+    assert int(ours.get_seq_length()) == int(ref.get_seq_length()) == (7 if outcomes[0] else 4)

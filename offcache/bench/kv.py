@@ -86,6 +86,8 @@ def _static_caches(model, max_cache_len: int, compiled: bool = False):
 def _run(ctx: Context, model, ids, make_cache, new_tokens: int, **generate_kwargs) -> dict:
     import transformers
 
+    from offcache.kv_cache import cache_kwarg
+
     sync = (lambda: torch.cuda.synchronize(ctx.device)) if ctx.gpu else (lambda: None)
     clock = _StepClock(sync)
     if ctx.gpu:
@@ -95,7 +97,7 @@ def _run(ctx: Context, model, ids, make_cache, new_tokens: int, **generate_kwarg
     start = time.perf_counter()
     with torch.no_grad():
         out = model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+            input_ids=ids, attention_mask=torch.ones_like(ids), **{cache_kwarg(): cache},
             max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
             logits_processor=transformers.LogitsProcessorList([clock]), **generate_kwargs,
         )  # fmt: skip
