@@ -112,4 +112,5 @@ def test_the_engine_refuses_a_smallest_chunk_past_the_largest(engine_config):
     with pytest.raises(ValueError, match=r"smallest chunk .* \[1, 1073741824\] bytes, got 2147483648"):
         _C.configure("host", 1 << 30, 2 << 30, 1 << 30, 0)
     (x,) = _engine.store([torch.arange(4.0)], torch.device("cpu"))  # the working engine stays
+    _engine.wait_stored(x)  # a store returns before its copy lands: read it once written
     assert torch.equal(x, torch.arange(4.0))
