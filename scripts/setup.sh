@@ -14,8 +14,8 @@ state() {
     cat requirements.txt requirements-dev.txt scripts/setup*.sh scripts/ext_cache.sh
     echo "tf=${OFFCACHE_TF_NEWEST:-} ct=${OFFCACHE_CT_NEWEST:-} python=$PYTHON"
     find csrc setup.py -type f | LC_ALL=C sort | xargs sha256sum
-    ls -l --time-style=+%s offcache/_C*.so 2>&1
-    ls .venv/lib/python*/site-packages .venv-tf-newest .venv-ct-newest 2>&1  # what is installed
+    ls -l --time-style=+%s offcache/_C*.so 2>&1 || true
+    ls .venv/lib/python*/site-packages .venv-tf-newest .venv-ct-newest 2>&1 || true  # what is installed
   } | sha256sum
 }
 if [ -x .venv/bin/python ] && [ "$(cat .venv/.setup-state 2>/dev/null)" = "$(state)" ]; then
