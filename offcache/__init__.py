@@ -21,6 +21,7 @@ from offcache._engine import (
 )
 from offcache._extras import MissingExtraError
 from offcache.cache import IntermediatesCache, IntermediateValue
+from offcache.ct_drift import CompressedTensorsDriftError
 from offcache.kv import kv_bytes, kv_bytes_for_config
 from offcache.patch import LLMCompressorDriftError, patch_llmcompressor, unpatch_llmcompressor
 
@@ -39,6 +40,7 @@ def __getattr__(name):
 
 __all__ = [
     "CapacityWarning",
+    "CompressedTensorsDriftError",
     "HostLimitError",
     "IntermediateValue",
     "IntermediatesCache",

@@ -24,6 +24,19 @@
   onload of a prefetched tensor hands out the prefetched copy. Prefetched copies die at the
   end of the ``disable_offloading()`` context of the subgraph they were fetched for.
 
+compressed-tensors 0.20's staging (``stage()``, ``is_staged``, ``stage_module_offload``,
+``subgraph_onload_modules``): both classes stage on the engine (``OffcacheCPUCache``: an arena
+tensor is staged already; ``OffcacheDiskCache``: read through ``fetch_file`` into host memory,
+into the pinned arena for ``pin_memory``), and onload a staged tensor with an engine fetch. A
+disk onload returns the type the installed DiskCache's does (0.20: the Parameter class kept).
+``patch()`` first checks that the installed compressed-tensors is one these subclasses fit
+(offcache/ct_drift.py).
+
+A prefetched copy is handed out only while its source is unchanged: not updated, deleted or
+edited in place (version counter), and, for a host copy, holding the source's bytes (compared as
+the engine's dedup table compares CPU sources, which sees edits through ``.data`` or numpy). An
+offloaded tensor handed out under ``disable_onloading()`` loses its prefetched copy.
+
 Write-backs are visible to every later read: an onload or a fetch is ordered after them on
 the engine's streams, a read of the offloaded tensor through ``__getitem__`` under
 ``disable_onloading()`` waits for them, and every write-back has landed when the outermost
@@ -34,12 +47,9 @@ of ``offloaded_values`` directly, inside the context, may see the old bytes.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import struct
 import sys
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +62,8 @@ from compressed_tensors.offload.utils import to_tensor
 from loguru import logger  # llm-compressor's and compressed-tensors' logger: its INFO lines show
 
 from offcache import _engine
+from offcache._safetensors import forget as _forget
+from offcache._safetensors import locate as _locate
 
 __all__ = [
     "OffcacheCPUCache",
@@ -65,6 +77,14 @@ __all__ = [
 ]
 
 _CPU = torch.device("cpu")
+# compressed-tensors 0.20's DiskCache.onload casts to the index's dtype, then copies the class (a
+# Parameter stays one); 0.19's copies the class, then casts (Tensor.to gives a plain tensor).
+try:
+    from compressed_tensors.offload.cache.utils import load_disk_tensor_from_offload  # noqa: F401
+
+    _CAST_FIRST = True
+except ImportError:
+    _CAST_FIRST = False
 Tensor = torch.Tensor
 COUNTERS = _engine.WEIGHT_COUNTERS
 
@@ -198,7 +218,26 @@ def _take_prefetched(offloaded: Tensor, device: torch.device) -> Tensor | None:
     if entry.offloaded is not offloaded or entry.device != device or entry.version != offloaded._version:
         return None  # stale (edited in place since) or for another device: fetch afresh
     _wait(entry.ticket, device)
+    if not _same_bytes(offloaded, entry.onloaded):
+        return None  # edited through .data, an alias or numpy: no version counter saw it
     return entry.cache._finish(entry.onloaded, offloaded)  # after the wait: _finish may read it
+
+
+def _same_bytes(source: Tensor, copy: Tensor) -> bool:
+    """Whether a prefetched `copy` (landed) still holds `source`'s bytes, as the engine's dedup
+    table judges a CPU source: byte for byte, which sees writes that bump no version counter.
+
+    Only where both are host memory (the host backend, a CPU onload device); a device copy
+    cannot be read here: the offloaded tensor handed out under ``disable_onloading()`` drops
+    its prefetched copy instead (``__getitem__``).
+    """
+    if source.device.type != "cpu" or copy.device.type != "cpu":
+        return True
+    if source.dtype != copy.dtype or source.shape != copy.shape:
+        return False
+    # As bytes: NaN and -0.0 compare as written.
+    a, b = (t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8) for t in (source, copy))
+    return torch.equal(a, b)
 
 
 def _device_free_bytes(device: torch.device) -> int | None:
@@ -249,6 +288,26 @@ def _onload(cache, offloaded: Tensor | None) -> Tensor | None:
     return cache._finish(fetched, offloaded)
 
 
+def _fetch_host(offloaded: list[Tensor], device: torch.device) -> list[tuple[Tensor, Any]]:
+    """One engine fetch of host tensors to `device`: (copy, ticket) each, not waited for.
+
+    The arena blocks' own fences order later write-backs after these reads.
+    """
+    fetched, ticket = _engine.fetch(offloaded, device, wait=False)
+    # A CPU tensor offcache does not own, onloaded to the CPU, comes back as is: copy it.
+    return [(f.clone() if f is o else f, ticket) for f, o in zip(fetched, offloaded)]
+
+
+def _stage_host(tensor: Tensor, pin_memory: bool) -> Tensor:
+    """A host tensor staged: into the pinned arena when asked and not there already (where room)."""
+    if not pin_memory or _engine.is_arena_tensor(tensor):
+        return tensor
+    with torch.no_grad():
+        (stored,) = _engine.store([tensor], _CPU, allow_spill=False)
+    _engine.wait_stored(stored)
+    return _like(stored, tensor)
+
+
 class OffcacheCPUCache(CPUCache):
     """compressed-tensors' ``CPUCache``, its offload, onload and update on the offcache engine."""
 
@@ -278,16 +337,22 @@ class OffcacheCPUCache(CPUCache):
         return _onload(self, offloaded)
 
     def _fetch(self, offloaded: list[Tensor], device: torch.device) -> list[tuple[Tensor, Any]]:
-        """One engine fetch of `offloaded` to `device`: (copy, ticket) each, not waited for.
-
-        The arena blocks' own fences order later write-backs after these reads.
-        """
-        fetched, ticket = _engine.fetch(offloaded, device, wait=False)
-        # A CPU tensor offcache does not own, onloaded to the CPU, comes back as is: copy it.
-        return [(f.clone() if f is o else f, ticket) for f, o in zip(fetched, offloaded)]
+        return _fetch_host(offloaded, device)
 
     def _finish(self, fetched: Tensor, offloaded: Tensor) -> Tensor:
         return _like(fetched, offloaded, onloaded=True)
+
+    def stage(self, offloaded: Tensor | None, pin_memory: bool = False) -> Tensor | None:
+        """compressed-tensors 0.20's staging: `offloaded` in host memory for a later onload.
+
+        An arena tensor is staged already (pinned on a GPU engine) and comes back as is, so a
+        prefetched copy of it stays valid; any other host tensor is put in the arena when
+        `pin_memory` asks for pinned memory, else comes back as is (as CPUCache's stage).
+        """
+        if offloaded is None:
+            return None
+        _flush(offloaded)
+        return _stage_host(offloaded, pin_memory)
 
     @torch.no_grad()
     def update_offload(self, offloaded: Tensor, data: Tensor | None) -> None:
@@ -324,11 +389,14 @@ class OffcacheCPUCache(CPUCache):
             _flush(offloaded)  # outside a patched context nothing marks an end: land it now
 
     def __getitem__(self, key):
-        # Under disable_onloading() the caller reads the offloaded tensor on the host.
+        # Under disable_onloading() the caller reads the offloaded tensor on the host, and may
+        # edit it through .data or numpy, which no version counter sees: its prefetched copy,
+        # if any, is dropped (a host copy is also compared byte for byte when taken).
         if self.onloading_disabled:
             offloaded = self.offloaded_values[key]
             if offloaded is not None:
                 _flush(offloaded)
+                _drop_prefetched(offloaded)
         return super().__getitem__(key)
 
     def __delitem__(self, key):
@@ -338,14 +406,6 @@ class OffcacheCPUCache(CPUCache):
         super().__delitem__(key)
 
 
-_ST_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "C64": torch.complex64,
-}  # fmt: skip
-_HEADERS: OrderedDict[tuple, tuple[dict, int]] = OrderedDict()  # file identity -> header, data offset
-_MAX_HEADERS = 1024
 _READS: dict[str, Any] = {}  # real file path -> the ticket of the last fetch that read it
 
 
@@ -365,46 +425,6 @@ class _Ready:
         pass
 
 
-def _header(real: str) -> tuple[dict, int]:
-    """A safetensors file's header and the offset of its data, parsed once per file version.
-
-    Keyed by the file's identity (inode, size, mtime): a file DiskCache rewrites, or a symlink
-    it replaces by a file, is parsed afresh.
-    """
-    st = os.stat(real)
-    key = (real, st.st_ino, st.st_size, st.st_mtime_ns)
-    hit = _HEADERS.get(key)
-    if hit is not None:
-        _HEADERS.move_to_end(key)
-        return hit
-    with open(real, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    _HEADERS[key] = hit = (header, 8 + n)
-    while len(_HEADERS) > _MAX_HEADERS:
-        _HEADERS.popitem(last=False)
-    return hit
-
-
-def _forget(path: str) -> None:
-    real = os.path.realpath(path)
-    for key in [k for k in _HEADERS if k[0] == real]:
-        del _HEADERS[key]
-
-
-def _locate(real: str, name: str) -> tuple[int, list[int], torch.dtype] | None:
-    """Tensor `name` of a safetensors file as (byte offset, shape, dtype); None for a dtype
-    offcache does not read itself (DiskCache's reader takes those)."""
-    header, start = _header(real)
-    entry = header.get(name)
-    if entry is None:
-        raise KeyError(f"offcache: {real} has no tensor {name!r} (DiskCache.index names it)")
-    dtype = _ST_DTYPES.get(entry["dtype"])
-    if dtype is None:
-        return None
-    return start + entry["data_offsets"][0], entry["shape"], dtype
-
-
 class OffcacheDiskCache(DiskCache):
     """compressed-tensors' ``DiskCache``, its onload reading the checkpoint's file through the engine.
 
@@ -419,18 +439,42 @@ class OffcacheDiskCache(DiskCache):
     """
 
     def onload(self, offloaded: Tensor | None) -> Tensor | None:
+        """A copy of `offloaded` on the onload device: read from its file (a meta tensor), or,
+        once staged (compressed-tensors 0.20's ``is_staged``), fetched from the staged host copy."""
         return _onload(self, offloaded)
 
+    def stage(self, offloaded: Tensor | None, pin_memory: bool = False) -> Tensor | None:
+        """compressed-tensors 0.20's staging: the weight read from its file into host memory
+        through the engine (``fetch_file``), cast to the index's dtype with the offloaded tensor's
+        class; with `pin_memory` and a device onload, into the pinned arena. A staged tensor
+        (not meta) comes back as is."""
+        if offloaded is None:
+            return None
+        if offloaded.device.type != "meta":
+            return _stage_host(offloaded, pin_memory)
+        ((fetched, ticket),) = self._fetch([offloaded], _CPU)
+        _wait(ticket, _CPU)
+        staged = self._finish(fetched, offloaded)
+        return _stage_host(staged, pin_memory and torch.device(self.onload_device).type != "cpu")
+
     def _fetch(self, offloaded: list[Tensor], device: torch.device) -> list[tuple[Tensor, Any]]:
-        """(copy, ticket) of each offloaded tensor, read from its file: one engine call per file."""
+        """(copy, ticket) of each offloaded tensor, read from its file: one engine call per file.
+
+        A staged tensor (host memory, not meta) is fetched from the host instead."""
         out: list[tuple[Tensor, Any] | None] = [None] * len(offloaded)
         by_file: dict[str, list[tuple[int, tuple]]] = {}
+        staged = [i for i, t in enumerate(offloaded) if t.device.type != "meta"]
+        if staged:
+            for i, pair in zip(staged, _fetch_host([offloaded[i] for i in staged], device)):
+                out[i] = pair
         for i, meta in enumerate(offloaded):
+            if out[i] is not None:
+                continue
             info = self.index[meta]
             real = os.path.realpath(info["safetensors_file"])
             where = _locate(real, info["weight_name"])
             if where is None:  # a dtype offcache does not know: DiskCache reads it (blocking)
-                out[i] = (super().onload(meta), _Ready)
+                out[i] = (self._read_upstream(meta, device), _Ready)
             else:
                 by_file.setdefault(real, []).append((i, where))
         for real, entries in by_file.items():
@@ -443,12 +487,32 @@ class OffcacheDiskCache(DiskCache):
                 del _READS[path]
         return out
 
+    def _read_upstream(self, meta: Tensor, device: torch.device) -> Tensor:
+        """DiskCache's own read of `meta` (a dtype offcache does not parse) onto `device`, unfinished."""
+        if device == _onload_device(self):
+            staged = getattr(self, "is_staged", False)  # 0.20's onload reads the file unless staged
+            if staged:
+                self.is_staged = False
+            try:
+                return super().onload(meta)
+            finally:
+                if staged:
+                    self.is_staged = True
+        return super().stage(meta).to(device)  # staging (0.20) reads onto the CPU
+
     def _finish(self, fetched: Tensor, offloaded: Tensor) -> Tensor:
-        # As DiskCache.onload: the offloaded tensor's class and attributes, then the index's dtype.
-        onloaded = to_tensor(fetched, offloaded)
-        return onloaded.to(getattr(torch, self.index[offloaded]["dtype"]))
+        if offloaded.device.type != "meta":  # staged: as DiskCache's onload of a staged tensor
+            return _like(fetched, offloaded, onloaded=True)
+        # As the installed DiskCache.onload: the index's dtype and the offloaded tensor's class and
+        # attributes, in its order (0.20 casts first: a Parameter; 0.19 copies the class first).
+        dtype = getattr(torch, self.index[offloaded]["dtype"])
+        if _CAST_FIRST:
+            return to_tensor(fetched.to(dtype), offloaded)
+        return to_tensor(fetched, offloaded).to(dtype)
 
     def update_offload(self, offloaded: Tensor, data: Tensor | None):
+        if offloaded.device.type != "meta":  # staged (0.20): a host tensor, updated as CPUCache's
+            return OffcacheCPUCache.update_offload(self, offloaded, data)
         _drop_prefetched(offloaded)
         # DiskCache rewrites its own file in place (truncating it): no read of it may still be
         # in flight then (it would fail at the new end, or read the new bytes). A checkpoint
@@ -460,6 +524,15 @@ class OffcacheDiskCache(DiskCache):
             _engine.synchronize()
         _forget(path)
         super().update_offload(offloaded, data)
+
+    def __getitem__(self, key):
+        # A staged host tensor handed out under disable_onloading() may be edited: as CPUCache's.
+        if self.onloading_disabled:
+            offloaded = self.offloaded_values[key]
+            if offloaded is not None and offloaded.device.type != "meta":
+                _flush(offloaded)
+                _drop_prefetched(offloaded)
+        return super().__getitem__(key)
 
     def __delitem__(self, key):
         offloaded = self.offloaded_values[key]
@@ -604,6 +677,9 @@ def patch() -> None:
     global _patched
     if _patched:
         return
+    from offcache import ct_drift
+
+    ct_drift.check()  # CompressedTensorsDriftError: a compressed-tensors offcache's subclasses do not fit
     import llmcompressor.pipelines.sequential.pipeline as pipeline
 
     _originals[(OffloadCache, "cls_from_device")] = OffloadCache.__dict__["cls_from_device"]

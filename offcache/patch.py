@@ -133,7 +133,9 @@ def patch_llmcompressor(weights: bool = False) -> list[str]:
     class (modules imported later by llm-compressor itself are covered too,
     since llmcompressor.pipelines.cache is patched at its source). Idempotent.
     Returns the patched module names. Refuses (LLMCompressorDriftError, nothing
-    patched) when the installed llm-compressor's API differs from offcache's.
+    patched) when the installed llm-compressor's API differs from offcache's; with
+    weights=True also (CompressedTensorsDriftError, nothing patched) when compressed-tensors'
+    offload caches differ from what offcache's subclasses rely on.
     """
     require("llmcompressor", "llmcompressor", "offcache.patch_llmcompressor()")
     # Import the modules that hold the class, so that they are patched too.
@@ -142,6 +144,10 @@ def patch_llmcompressor(weights: bool = False) -> list[str]:
     import llmcompressor.pipelines.sequential.pipeline  # noqa: F401
 
     check_llmcompressor(source)
+    if weights:  # compressed-tensors' caches too, before anything is patched (CompressedTensorsDriftError)
+        from offcache import ct_drift
+
+        ct_drift.check()
     # Once patched, the source module holds ours: the originals are remembered.
     originals = {attr: _originals.get((source.__name__, attr), getattr(source, attr)) for attr in _NAMES}
     replacements = {"IntermediatesCache": IntermediatesCache, "IntermediateValue": IntermediateValue}

@@ -123,3 +123,8 @@ def random_file(path, nbytes: int, seed: int = 0):
     data = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
     data.tofile(path)
     return data
+
+
+def raw(t: torch.Tensor) -> bytes:
+    """A tensor's bytes, as written (any dtype)."""
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()

@@ -103,7 +103,7 @@ def test_all_dtypes_round_trip_through_a_file(host_engine, tmp_path):
     }
     path = tmp_path / "all.safetensors"
     save_file(tensors, path)
-    from offcache.compressed_tensors import _locate
+    from offcache._safetensors import locate as _locate
 
     items = [_locate(str(path), name) for name in tensors]
     out, _ = _engine.fetch_file(path, items, CPU)

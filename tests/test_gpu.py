@@ -553,3 +553,32 @@ def test_kv_in_place_edit_right_after_a_forward_is_seen_and_races_nothing(static
             logits.append((second, third))
     for want, got in zip(logits[0], logits[1]):
         assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("edit", ["data", "numpy"])
+def test_prefetched_gpu_weight_not_served_stale_after_an_edit_through_data(edit):
+    """Issue 24 item 4 on a GPU: the prefetched copy is device memory (not compared byte for byte
+    as a host copy is); the offloaded tensor handed out under disable_onloading() drops it."""
+    pytest.importorskip("compressed_tensors")
+    pytest.importorskip("llmcompressor")
+    from compressed_tensors.offload import disable_offloading, disable_onloading
+    from compressed_tensors.offload.cache import OffloadCache
+
+    from offcache import compressed_tensors as oc_ct
+
+    oc_ct.patch()
+    try:
+        cache = OffloadCache.cls_from_device("cpu")(DEV)
+        cache["w"] = torch.zeros(64, 64)
+        module = type("M", (), {"_parameters": cache, "_buffers": {}})()
+        assert oc_ct.prefetch([module], target=0) == 64 * 64 * 4
+        offcache.synchronize()
+        with disable_onloading():
+            if edit == "data":
+                cache["w"].data.fill_(5.0)
+            else:
+                cache["w"].numpy()[:] = 5.0
+        with disable_offloading():
+            assert torch.equal(cache["w"].cpu(), torch.full((64, 64), 5.0))
+    finally:
+        oc_ct.unpatch()

@@ -515,6 +515,29 @@ def test_prefetched_copy_is_not_served_stale(patched):
     assert delta(before)["weight_prefetch_hits"] == 0
 
 
+@pytest.mark.parametrize("edit", ["data", "numpy"])
+@pytest.mark.parametrize("cache_cls", [OffcacheCPUCache, CPUCache])
+def test_prefetched_copy_edited_through_data_or_numpy_is_not_served(patched, cache_cls, edit):
+    """An edit of the offloaded tensor that bumps no version counter (.data, numpy) after a
+    prefetch: the next onload sees it, as compressed-tensors' CPUCache does (issue 24, item 4)."""
+    cache = cache_cls(CPU)
+    cache["w"] = torch.zeros(8, 8)
+    with disable_onloading():
+        held = cache["w"]  # a reference taken before the prefetch: the hand-out rule cannot see it
+    for source, value in (("handed out after", 5.0), ("held from before", 7.0)):
+        issued = oc_ct.prefetch([SimpleNamespace(_parameters=cache, _buffers={})], target=0)
+        assert issued == (8 * 8 * 4 if cache_cls is OffcacheCPUCache else 0)
+        offcache.synchronize()
+        with disable_onloading():
+            offloaded = cache["w"] if source == "handed out after" else held
+            if edit == "data":
+                offloaded.data.fill_(value)
+            else:
+                offloaded.numpy()[:] = value
+        with disable_offloading():
+            assert torch.equal(cache["w"], torch.full((8, 8), value)), source
+
+
 def test_prefetch_skipped_without_device_memory(patched, monkeypatch):
     (linear,), (plain,) = _offloaded_linears(1)
     monkeypatch.setattr(oc_ct, "_device_free_bytes", lambda device: 100)

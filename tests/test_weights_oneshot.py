@@ -10,14 +10,14 @@ have gone through the engine (counters), with prefetch hits after the first subg
 import pytest
 import torch
 
-import offcache
-from offcache import compressed_tensors as oc_ct
-from tests.conftest import ENGINE_CONFIGS
-from tests.helpers import calibration_set, save_tiny_llama
-
 llmcompressor = pytest.importorskip("llmcompressor")
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
+
+import offcache  # noqa: E402
+from offcache import compressed_tensors as oc_ct  # noqa: E402  (imports compressed-tensors)
+from tests.conftest import ENGINE_CONFIGS  # noqa: E402
+from tests.helpers import calibration_set, save_tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -5,6 +5,9 @@ dtypes, broadcast), delete, reads under disable_onloading(), nested disable_offl
 contexts and prefetches, applied to both caches; every read must agree in values, dtypes,
 tensor types, and in whether a context hands out the same object again. Runs under the host
 backend, the slowed 1 MiB budget (spills, wide race windows) and the forced disk tier.
+On compressed-tensors 0.20 also its staging (``stage()``, ``is_staged``; pinned and not), and
+edits through ``.data`` or numpy of offloaded tensors held from earlier reads, which bump no
+version counter (a prefetched copy must not hide them).
 
 Not driven: in-place edits of onloaded values. With the CPU as the onload device
 compressed-tensors' CPUCache hands out the offloaded tensor itself, so such an edit changes
@@ -31,6 +34,7 @@ CPU = torch.device("cpu")
 NAMES = ["weight", "bias", "scale", "zp"]
 DTYPES = [torch.float32, torch.bfloat16, torch.int8]
 SHAPES = [(3,), (4, 5), (64, 64), (2, 300)]
+STAGING = hasattr(OffloadCache, "stage") and hasattr(OffloadCache, "is_staged")  # compressed-tensors 0.20
 
 
 def make(shape, dtype, seed, like=torch.Tensor):
@@ -59,6 +63,7 @@ class WeightsMachine(RuleBasedStateMachine):
         self.contexts = []  # the open disable_offloading() contexts, innermost last
         self.depth = 0
         self.kept: dict[str, tuple] = {}  # name -> (model's, ours) onloaded in the open context
+        self.held: list[tuple] = []  # (model's, ours) offloaded tensors read under disable_onloading()
 
     def teardown(self):
         while self.contexts:
@@ -146,6 +151,30 @@ class WeightsMachine(RuleBasedStateMachine):
             a, b = self.model[name], self.ours[name]
         assert b.device == CPU
         same(a, b)
+        self.held.append((a, b))
+
+    @precondition(lambda self: self.held and not self.depth)
+    @rule(data=st.data(), seed=st.integers(0, 999), numpy=st.booleans())
+    def edit_held(self, data, seed, numpy):
+        # Through .data or numpy, on tensors read earlier (maybe prefetched since): no version
+        # counter moves. Outside a context, for the reason edit_offloaded is.
+        a, b = data.draw(st.sampled_from(self.held))
+        new = make(a.shape, a.dtype, seed)
+        for t in (a, b):
+            if numpy and t.dtype != torch.bfloat16:
+                t.detach().numpy()[...] = new.numpy()
+            else:
+                t.data.copy_(new)
+
+    @precondition(lambda self: STAGING and not self.depth)
+    @rule(pin=st.booleans())
+    def stage(self, pin):
+        # compressed-tensors 0.20's stage_module_offload, on both caches: the next onloads hand
+        # out the staged tensors. (Outside a context: a staged copy is a new offloaded tensor.)
+        for cache in (self.model, self.ours):
+            cache.offloaded_values = {n: cache.stage(t, pin_memory=pin) for n, t in cache.offloaded_values.items()}
+            cache.is_staged = True
+        self.held.clear()  # a pinned copy is a new tensor: references from before are not the offload
 
     @precondition(lambda self: self.depth < 2)
     @rule()

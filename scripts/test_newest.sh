@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The suite on the newest environment (scripts/setup_newest.sh: the newest torch and transformers,
+# offcache built against them, no llm-compressor and no compressed-tensors): everything that does
+# not need those two runs; what needs them is skipped, with the reason. Run from the copy of the
+# clone that setup_newest.sh keeps (the clone's own offcache/_C*.so is torch 2.14's).
+# Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CACHE="${OFFCACHE_CI_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/offcache-ci}"
+VENV="$CACHE/venv-newest"
+[ -x "$VENV/bin/python" ] || { echo "test_newest.sh: run scripts/setup_newest.sh first" >&2; exit 1; }
+TORCH=$("$VENV/bin/python" -c "import torch; print(torch.__version__)")
+TF=$("$VENV/bin/python" -c "import transformers; print(transformers.__version__)")
+TREE="$CACHE/tree-torch$TORCH"
+cd "$TREE"
+if [ -e "${CUDA_HOME:-/usr/local/cuda}/include/cuda_runtime_api.h" ]; then export OFFCACHE_EXPECT_CUDA=1; fi
+echo "== pytest (newest: torch $TORCH, transformers $TF, no llm-compressor, no compressed-tensors) in $TREE"
+start=$SECONDS
+"$VENV/bin/python" -m pytest -p no:cacheprovider -q -rs tests "$@" | tee "$CACHE/test_newest.log"
+echo "== pytest (newest): passed in $((SECONDS - start)) s"
