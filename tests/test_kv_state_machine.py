@@ -49,6 +49,8 @@ WINDOW = 8
 MAX_LEN = 20  # the static caches' max_cache_len
 KINDS = ["llama", "mistral", "gemma3", "gemma4"]
 SLIDING = {"mistral", "gemma3", "gemma4"}
+HOW = ["tensor", "data", "numpy"]  # how an in-place edit reaches a layer's K/V
+FACTORS = [0.5, -1.0, 2.0]  # exact in every dtype
 
 
 @functools.cache
@@ -56,6 +58,11 @@ def model_of(kind: str):
     if kind in ("llama", "mistral"):
         return causal_lm(kind, **({"sliding_window": WINDOW} if kind == "mistral" else {}))
     return tiny_causal_lm(kind, sliding_window=WINDOW)
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal up to float reassociation (1e-5 absolute: a missed edit or a stale prefetch is 1e-3 and more)."""
+    return a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=0, atol=1e-5)
 
 
 def edit_in_place(t: torch.Tensor, how: str, factor: float) -> None:
@@ -77,7 +84,7 @@ def assert_same_layer(ours, ref, static: bool, where) -> None:
         if static:  # the filled prefix: past it, stale positions are masked (and differ after reset)
             n = min(int(ref.get_seq_length()), b.shape[-2])
             a, b = a[:, :, :n], b[:, :, :n]
-        assert torch.equal(a.cpu(), b.cpu()), where
+        assert close(a.cpu(), b.cpu()), where
 
 
 class KVCaches(RuleBasedStateMachine):
@@ -100,6 +107,10 @@ class KVCaches(RuleBasedStateMachine):
     @precondition(lambda self: self.seq < MAX_LEN)
     @rule(data=st.data())
     def step(self, data):
+        if self.seq > 0 and data.draw(st.booleans(), label="edit first"):  # right before the step that reads it
+            self.edit(
+                data, data.draw(st.booleans()), data.draw(st.sampled_from(HOW)), data.draw(st.sampled_from(FACTORS))
+            )
         n = data.draw(st.integers(1, min(5, MAX_LEN - self.seq)), label="tokens")
         seed = data.draw(st.integers(0, 2**16), label="seed")
         ids = torch.randint(1, 128, (self.batch, n), generator=torch.Generator().manual_seed(seed))
@@ -107,7 +118,7 @@ class KVCaches(RuleBasedStateMachine):
             for name, (ours, ref) in self.pairs.items():
                 got = self.model(input_ids=ids, **kw(ours), use_cache=True).logits
                 want = self.model(input_ids=ids, **kw(ref), use_cache=True).logits
-                assert torch.equal(got, want), (name, (got - want).abs().max())
+                assert close(got, want), (name, (got - want).abs().max())
         self.seq += n
 
     # reads and in-place edits ---------------------------------------------------------------
@@ -120,11 +131,11 @@ class KVCaches(RuleBasedStateMachine):
                 assert_same_layer(a, b, name == "static", (name, i))
 
     @precondition(lambda self: self.seq > 0)
-    @rule(data=st.data(), values=st.booleans(), how=st.sampled_from(["tensor", "data", "numpy"]),
-          factor=st.sampled_from([0.5, -1.0, 2.0]))  # fmt: skip
+    @rule(data=st.data(), values=st.booleans(), how=st.sampled_from(HOW), factor=st.sampled_from(FACTORS))
     def edit(self, data, values, how, factor):
         for ours, ref in self.pairs.values():
-            i = data.draw(st.integers(0, len(ref.layers) - 1), label="layer")
+            # Often the first layer: the last layer's update has prefetched it for the next step.
+            i = data.draw(st.one_of(st.just(0), st.integers(0, len(ref.layers) - 1)), label="layer")
             if not ref.layers[i].is_initialized or int(ref.layers[i].get_seq_length()) == 0:
                 continue
             for cache in (ours, ref):

@@ -120,9 +120,13 @@ def assert_zero_past(cache, seq):
 
 
 def step_bytes(cache):
-    """Bytes per token of one offloaded layer's K and V."""
+    """Bytes per token of one offloaded layer's K and V (not read through .keys: handing K/V out drops
+    the layer's prefetch, which would add an H2D copy to the traffic measured)."""
     layer = cache.layers[cache._offloaded_idx[0]]
-    return layer.batch_size * layer.num_heads * (layer.k_head_dim + layer.v_head_dim) * layer.keys.element_size()
+    k, v = layer._host_k, layer._host_v
+    return (
+        layer.batch_size * layer.num_heads * (layer.k_head_dim * k.element_size() + layer.v_head_dim * v.element_size())
+    )
 
 
 @both_backends
