@@ -109,11 +109,20 @@ class Backend {
   virtual void check_process() const {}
   // The first error a host copy-stream task threw ("" if none).
   virtual std::string stream_error() = 0;
-  // Whether `event` completed, counted (cudaEventQuery on CUDA).
+  // Whether `event` completed, counted (cudaEventQuery on CUDA). Throws
+  // EventUnknown while it cannot be known, another error where it never will.
   bool query(const EventPtr& event) {
     ++counters.event_queries;
+    return probe(event);
+  }
+  // query(), uncounted (deferred frees' fences), through the tests' fault hook.
+  static bool probe(const EventPtr& event) {
+    if (query_faults_armed.load(std::memory_order_relaxed)) maybe_fail_query();
     return event->query();
   }
+  // Tests: the query after the next `skip` ones (counted or not) throws, once:
+  // EventUnknown if `transient`, else an error as from a broken CUDA context.
+  static void fail_query_after(int skip, bool transient);
   // current_wait() for a ChainedEvent (copies an I/O thread issues): the host
   // waits until they are issued (on the CPU: done), counted, and raises if they
   // were not all issued. False for any other event.
@@ -129,6 +138,9 @@ class Backend {
     ++counters.syncs;  // the one place a host wait is counted
     event->wait();
   }
+
+  static std::atomic<bool> query_faults_armed;
+  static void maybe_fail_query();
 
   // Shared with CUDA events, which may outlive the backend (a ticket held by the
   // caller after configure() retired this engine).

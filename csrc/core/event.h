@@ -8,9 +8,18 @@
 #include <condition_variable>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 
 namespace offcache {
+
+// Thrown by Event::query when the event's state cannot be known now but
+// nothing is broken (a CUDA graph capture on another thread forbids the
+// query): ask again later. Any other exception from a query means the event
+// will never be known (a sticky CUDA error: the context is broken).
+struct EventUnknown : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
 
 class Event {
  public:
