@@ -46,6 +46,16 @@ struct Counters {
   std::atomic<uint64_t> event_queries{0};  // the engine asked whether an event completed
 };
 
+// A fetch's device outputs as its ticket sees them, weakly (a ticket must not
+// keep them alive): a stream that waits on the ticket other than the one they
+// were handed to at the fetch is recorded on them too, so the allocator does
+// not reuse them before that stream's work is done.
+class Handoff {
+ public:
+  virtual ~Handoff() = default;
+  virtual void to_current(int device) = 0;
+};
+
 // A copy stream: work submitted to it runs in order.
 class CopyStream {
  public:
@@ -98,6 +108,12 @@ class Backend {
   // A device tensor allocated on a copy stream is handed to the consumer's
   // current stream: the allocator must not reuse it before the consumer is done.
   virtual void hand_over(const at::Tensor& t, c10::Device consumer) = 0;
+  // What a ticket needs to hand `outs` (handed over to `consumer` at the fetch)
+  // to the stream that waits on it (null: nothing to do, as on the host).
+  virtual std::shared_ptr<Handoff> handoff(const std::vector<at::Tensor>& /*outs*/,
+                                           c10::Device /*consumer*/) {
+    return nullptr;
+  }
   // Lets `from`'s copy engine read and write `to`'s memory directly.
   virtual void enable_peer_access(c10::Device from, c10::Device to) = 0;
   // Called on an engine I/O thread before it issues copies: it never captures a

@@ -22,8 +22,11 @@ struct Ticket {
   EventPtr event;
   int device;  // -1: the CPU
   std::vector<offcache::HeldTensors> held;
+  // Outputs on a GPU: a stream other than the fetch's that waits must keep them from reuse too.
+  std::shared_ptr<offcache::Handoff> handoff;
   void wait() const {
     if (event) event->wait_current(device);
+    if (handoff && device >= 0) handoff->to_current(device);
     // A CPU wait proves the copies complete, a GPU one proves them queued.
     release(/*complete=*/device < 0);
   }
@@ -44,8 +47,10 @@ struct Ticket {
 };
 
 Ticket ticket_for(EventPtr event, const c10::Device& device,
-                  std::vector<offcache::HeldTensors> held = {}) {
-  return Ticket{std::move(event), device.is_cpu() ? -1 : device.index(), std::move(held)};
+                  std::vector<offcache::HeldTensors> held = {},
+                  std::shared_ptr<offcache::Handoff> handoff = nullptr) {
+  return Ticket{std::move(event), device.is_cpu() ? -1 : device.index(), std::move(held),
+                std::move(handoff)};
 }
 
 // Every call that uses an engine releases the GIL first: a thread holding an
@@ -154,7 +159,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         device = engine.backend().resolve_device(device);
         auto f = engine.fetch(stored, device, wait);
         return std::make_pair(std::move(f.tensors),
-                              ticket_for(std::move(f.done), device, std::move(f.held)));
+                              ticket_for(std::move(f.done), device, std::move(f.held), f.handoff));
       },
       py::arg("stored"), py::arg("device"), py::arg("wait") = true,
       py::call_guard<py::gil_scoped_release>(),
@@ -168,7 +173,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         device = engine.backend().resolve_device(device);
         auto f = engine.fetch_file(path, offsets, likes, device, wait);
         return std::make_pair(std::move(f.tensors),
-                              ticket_for(std::move(f.done), device, std::move(f.held)));
+                              ticket_for(std::move(f.done), device, std::move(f.held), f.handoff));
       },
       py::arg("path"), py::arg("offsets"), py::arg("likes"), py::arg("device"),
       py::arg("wait") = true, py::call_guard<py::gil_scoped_release>(),

@@ -115,6 +115,7 @@ class Engine {
     std::vector<at::Tensor> tensors;
     EventPtr done;
     std::vector<HeldTensors> held;
+    std::shared_ptr<Handoff> handoff;  // for a ticket waited on another stream (null: none)
   };
   Fetched fetch(const std::vector<at::Tensor>& stored, c10::Device device, bool wait);
   // Tensors read from byte ranges of the file at `path` onto `device`:

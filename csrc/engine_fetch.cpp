@@ -82,7 +82,8 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
   }
 
   std::vector<EventPtr> done_events;
-  std::vector<HeldTensors> held;  // each group's, for the caller's ticket
+  std::vector<HeldTensors> held;   // each group's, for the caller's ticket
+  std::vector<at::Tensor> handed;  // device outputs handed over to the consumer's stream
   // Host memory last: its group may be issued by the I/O thread (disk blocks), so its
   // event, then the whole fetch's, is a ChainedEvent that no earlier group waits on.
   std::stable_partition(source_devices.begin(), source_devices.end(),
@@ -230,6 +231,7 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
       for (size_t i = 0; i < n; ++i) {
         if (sources[i].dense.defined() && sources[i].dense.device() == from)
           backend_->hand_over(out[i], device);
+        handed.push_back(out[i]);
       }
     }
     // No snapshot is taken of a GPU source: later work on its stream must not
@@ -249,7 +251,8 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
     for (const HeldTensors& h : held)
       device.is_cpu() ? h->take_all(&taken) : h->take_queued(&taken);
   }
-  return {std::move(out), last, std::move(held)};
+  std::shared_ptr<Handoff> handoff = handed.empty() ? nullptr : backend_->handoff(handed, device);
+  return {std::move(out), last, std::move(held), std::move(handoff)};
 }
 
 }  // namespace offcache

@@ -213,7 +213,8 @@ Engine::Fetched Engine::fetch_file(const std::string& path, const std::vector<in
     backend_->current_wait(device, chained);  // raises if a read failed
     device.is_cpu() ? held->take_all(&taken) : held->take_queued(&taken);
   }
-  return {std::move(out), chained, {held}};
+  std::shared_ptr<Handoff> handoff = device.is_cpu() ? nullptr : backend_->handoff(out, device);
+  return {std::move(out), chained, {held}, std::move(handoff)};
 }
 
 }  // namespace offcache

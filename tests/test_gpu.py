@@ -596,3 +596,44 @@ def test_a_dropped_fetch_result_frees_its_device_memory_at_once(engine_config, t
     gc.collect()
     assert r() is None
     assert torch.cuda.memory_allocated(DEV) == before  # nothing held until the next engine call
+
+
+def test_a_ticket_waited_on_a_side_stream_keeps_the_outputs_from_reuse_there():
+    # Fetched on the default stream (handed over to it), waited for and read on `side`, then
+    # dropped: the allocator must not give the block to the next fetch while `side` still reads.
+    x = torch.randn(1 << 22)
+    (stored,) = _engine.store([x], CPU)
+    (zeros,) = _engine.store([torch.zeros(1 << 22)], CPU)
+    offcache.synchronize()
+    side = torch.cuda.Stream(DEV)
+    (out,), ticket = _engine.fetch([stored], DEV, wait=False)
+    with torch.cuda.stream(side):
+        ticket.wait()
+        torch.cuda._sleep(200_000_000)  # `side` is busy a while before it reads `out`
+        total = out.sum()
+    del out
+    (again,), _ = _engine.fetch([zeros], DEV, True)  # from the copy stream's pool, as `out` was
+    torch.cuda.synchronize()
+    assert torch.allclose(total.cpu(), x.sum(), rtol=1e-4, atol=1e-2)
+    assert int(again.count_nonzero()) == 0
+
+
+def test_a_copy_stream_follows_a_disk_fetch_in_flight_without_a_host_wait(engine_config, tmp_path):
+    # copy_into into a disk block still read by a disk-tier fetch (a ChainedEvent fence): the copy
+    # stream waits on the fetch's last copy event once it is issued; the host did wait on it.
+    engine_config(backend="cuda", host_limit=0, disk_dir=tmp_path)
+    x = torch.randn(1 << 26)  # 256 MiB: its H2D copy still runs when copy_into is issued
+    (stored,) = _engine.store([x], CPU)
+    offcache.synchronize()
+    assert _engine.is_disk_tensor(stored)
+    (back,), ticket = _engine.fetch([stored], DEV, wait=False)
+    ticket.wait()  # the host waits until the copies are issued, not done
+    before = offcache.stats()["syncs"]
+    src = torch.full((1 << 26,), 3.0, device=DEV)
+    _engine.copy_into([stored], [src], wait=False)
+    assert offcache.stats()["syncs"] == before
+    torch.cuda.synchronize()
+    offcache.synchronize()
+    assert torch.equal(back.cpu(), x)  # the fetch read the block before copy_into wrote it
+    _engine.wait_stored(stored)
+    assert bool((stored == 3.0).all())
