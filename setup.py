@@ -83,6 +83,7 @@ ENGINE = [
     "csrc/engine_disk.cpp",
     "csrc/engine_fetch.cpp",
     "csrc/engine_file.cpp",
+    "csrc/engine_in_flight.cpp",
     "csrc/engine_store.cpp",
     "csrc/host_block.cpp",
     "csrc/bindings.cpp",

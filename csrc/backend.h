@@ -46,6 +46,16 @@ struct Counters {
   std::atomic<uint64_t> event_queries{0};  // the engine asked whether an event completed
 };
 
+// A fetch's device outputs as its ticket sees them, weakly (a ticket must not
+// keep them alive): a stream that waits on the ticket other than the one they
+// were handed to at the fetch is recorded on them too, so the allocator does
+// not reuse them before that stream's work is done.
+class Handoff {
+ public:
+  virtual ~Handoff() = default;
+  virtual void to_current(int device) = 0;
+};
+
 // A copy stream: work submitted to it runs in order.
 class CopyStream {
  public:
@@ -98,6 +108,12 @@ class Backend {
   // A device tensor allocated on a copy stream is handed to the consumer's
   // current stream: the allocator must not reuse it before the consumer is done.
   virtual void hand_over(const at::Tensor& t, c10::Device consumer) = 0;
+  // What a ticket needs to hand `outs` (handed over to `consumer` at the fetch)
+  // to the stream that waits on it (null: nothing to do, as on the host).
+  virtual std::shared_ptr<Handoff> handoff(const std::vector<at::Tensor>& /*outs*/,
+                                           c10::Device /*consumer*/) {
+    return nullptr;
+  }
   // Lets `from`'s copy engine read and write `to`'s memory directly.
   virtual void enable_peer_access(c10::Device from, c10::Device to) = 0;
   // Called on an engine I/O thread before it issues copies: it never captures a
@@ -109,11 +125,20 @@ class Backend {
   virtual void check_process() const {}
   // The first error a host copy-stream task threw ("" if none).
   virtual std::string stream_error() = 0;
-  // Whether `event` completed, counted (cudaEventQuery on CUDA).
+  // Whether `event` completed, counted (cudaEventQuery on CUDA). Throws
+  // EventUnknown while it cannot be known, another error where it never will.
   bool query(const EventPtr& event) {
     ++counters.event_queries;
+    return probe(event);
+  }
+  // query(), uncounted (deferred frees' fences), through the tests' fault hook.
+  static bool probe(const EventPtr& event) {
+    if (query_faults_armed.load(std::memory_order_relaxed)) maybe_fail_query();
     return event->query();
   }
+  // Tests: the query after the next `skip` ones (counted or not) throws, once:
+  // EventUnknown if `transient`, else an error as from a broken CUDA context.
+  static void fail_query_after(int skip, bool transient);
   // current_wait() for a ChainedEvent (copies an I/O thread issues): the host
   // waits until they are issued (on the CPU: done), counted, and raises if they
   // were not all issued. False for any other event.
@@ -129,6 +154,9 @@ class Backend {
     ++counters.syncs;  // the one place a host wait is counted
     event->wait();
   }
+
+  static std::atomic<bool> query_faults_armed;
+  static void maybe_fail_query();
 
   // Shared with CUDA events, which may outlive the backend (a ticket held by the
   // caller after configure() retired this engine).

@@ -123,6 +123,28 @@ class CudaEvent final : public Event {
 
 CudaEvent* as_cuda(const EventPtr& e) { return dynamic_cast<CudaEvent*>(e.get()); }
 
+// Handoff (backend.h): the stream the outputs were handed to at the fetch, and
+// the outputs, weakly.
+class CudaHandoff final : public Handoff {
+ public:
+  CudaHandoff(c10::cuda::CUDAStream handed,
+              std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> storages)
+      : handed_(handed), storages_(std::move(storages)) {}
+  void to_current(int device) override {
+    const c10::cuda::CUDAStream now =
+        c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device));
+    if (now == handed_) return;  // recorded at the fetch already
+    for (const auto& weak : storages_) {
+      if (c10::intrusive_ptr<c10::StorageImpl> s = weak.lock())
+        c10::cuda::CUDACachingAllocator::recordStream(s->data_ptr(), now);
+    }
+  }
+
+ private:
+  c10::cuda::CUDAStream handed_;
+  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> storages_;
+};
+
 class CudaCopyStream final : public CopyStream {
  public:
   CudaCopyStream(c10::DeviceIndex device, std::shared_ptr<EventPool> pool, Counters& counters)
@@ -134,6 +156,12 @@ class CudaCopyStream final : public CopyStream {
   }
   void wait(const EventPtr& event) override {
     if (event == nullptr) return;
+    if (auto* chained = dynamic_cast<ChainedEvent*>(event.get())) {
+      // Copies an engine I/O thread issues: the host waits only until they are
+      // queued (counted), then this stream waits on the last of them.
+      if (!chained->issued()) ++counters_.syncs;
+      return wait(chained->after_issued());
+    }
     CudaEvent* e = as_cuda(event);
     if (e == nullptr) {  // produced on a host thread
       if (!event->query()) {
@@ -365,6 +393,18 @@ class CudaBackend : public Backend {
     if (!t.is_cuda() || !t.has_storage()) return;
     c10::cuda::CUDACachingAllocator::recordStream(
         t.storage().data_ptr(), c10::cuda::getCurrentCUDAStream(consumer.index()));
+  }
+
+  std::shared_ptr<Handoff> handoff(const std::vector<at::Tensor>& outs,
+                                   c10::Device consumer) override {
+    std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> storages;
+    for (const at::Tensor& t : outs) {
+      if (t.defined() && t.is_cuda() && t.has_storage())
+        storages.push_back(t.storage().getWeakStorageImpl());
+    }
+    if (storages.empty()) return nullptr;
+    return std::make_shared<CudaHandoff>(c10::cuda::getCurrentCUDAStream(consumer.index()),
+                                         std::move(storages));
   }
 
   std::string stream_error() override {

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <mutex>
 #include <stdexcept>
 #include <thread>
 
@@ -13,6 +14,32 @@ namespace {
 std::atomic<int> g_fail_copies{0};
 std::atomic<int> g_fail_tasks{0};
 }  // namespace
+
+std::atomic<bool> Backend::query_faults_armed{false};
+namespace {
+std::mutex g_query_fault_mu;
+int g_query_skip = 0;
+bool g_query_transient = false;
+}  // namespace
+
+void Backend::fail_query_after(int skip, bool transient) {
+  std::lock_guard<std::mutex> l(g_query_fault_mu);
+  g_query_skip = skip;
+  g_query_transient = transient;
+  query_faults_armed.store(true);
+}
+
+void Backend::maybe_fail_query() {
+  bool transient;
+  {
+    std::lock_guard<std::mutex> l(g_query_fault_mu);
+    if (!query_faults_armed.load() || g_query_skip-- > 0) return;
+    query_faults_armed.store(false);
+    transient = g_query_transient;
+  }
+  if (transient) throw EventUnknown("offcache: injected transient event-query failure (tests)");
+  throw std::runtime_error("offcache: injected event-query failure (tests)");
+}
 
 void HostCopyStream::fail_next_copy() { ++g_fail_copies; }
 void HostCopyStream::fail_next_task() { ++g_fail_tasks; }

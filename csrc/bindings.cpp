@@ -15,14 +15,30 @@ namespace {
 
 // A copy's completion: wait() makes the consumer's current stream wait on it
 // (the calling thread, for the CPU). It needs no engine: it holds the event,
-// and the device resolved when the copy was issued.
+// the device resolved when the copy was issued, and a share of what the
+// engine keeps alive for the copies (`held`, never the outputs themselves
+// once it has seen them queued or complete: a dropped output dies at once).
 struct Ticket {
   EventPtr event;
   int device;  // -1: the CPU
+  std::vector<offcache::HeldTensors> held;
+  // Outputs on a GPU: a stream other than the fetch's that waits must keep them from reuse too.
+  std::shared_ptr<offcache::Handoff> handoff;
   void wait() const {
     if (event) event->wait_current(device);
+    if (handoff && device >= 0) handoff->to_current(device);
+    // A CPU wait proves the copies complete, a GPU one proves them queued.
+    release(/*complete=*/device < 0);
   }
-  bool query() const { return event == nullptr || event->query(); }
+  bool query() const {
+    const bool done = event == nullptr || event->query();
+    if (done) release(/*complete=*/true);
+    return done;
+  }
+  void release(bool complete) const {
+    std::vector<offcache::Tensors> taken;  // dies here: no lock is held
+    for (const auto& h : held) complete ? h->take_all(&taken) : h->take_queued(&taken);
+  }
   // False while a fetch_file's copies wait for their reads: wait() would block the host.
   bool issued() const {
     auto* chained = dynamic_cast<offcache::ChainedEvent*>(event.get());
@@ -30,8 +46,11 @@ struct Ticket {
   }
 };
 
-Ticket ticket_for(EventPtr event, const c10::Device& device) {
-  return Ticket{std::move(event), device.is_cpu() ? -1 : device.index()};
+Ticket ticket_for(EventPtr event, const c10::Device& device,
+                  std::vector<offcache::HeldTensors> held = {},
+                  std::shared_ptr<offcache::Handoff> handoff = nullptr) {
+  return Ticket{std::move(event), device.is_cpu() ? -1 : device.index(), std::move(held),
+                std::move(handoff)};
 }
 
 // Every call that uses an engine releases the GIL first: a thread holding an
@@ -139,7 +158,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         auto& engine = *use;
         device = engine.backend().resolve_device(device);
         auto f = engine.fetch(stored, device, wait);
-        return std::make_pair(std::move(f.tensors), ticket_for(std::move(f.done), device));
+        return std::make_pair(std::move(f.tensors),
+                              ticket_for(std::move(f.done), device, std::move(f.held), f.handoff));
       },
       py::arg("stored"), py::arg("device"), py::arg("wait") = true,
       py::call_guard<py::gil_scoped_release>(),
@@ -152,7 +172,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         auto& engine = *use;
         device = engine.backend().resolve_device(device);
         auto f = engine.fetch_file(path, offsets, likes, device, wait);
-        return std::make_pair(std::move(f.tensors), ticket_for(std::move(f.done), device));
+        return std::make_pair(std::move(f.tensors),
+                              ticket_for(std::move(f.done), device, std::move(f.held), f.handoff));
       },
       py::arg("path"), py::arg("offsets"), py::arg("likes"), py::arg("device"),
       py::arg("wait") = true, py::call_guard<py::gil_scoped_release>(),
@@ -219,6 +240,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Tests: the next host copy call queues its copies, then raises.");
   m.def("_fail_next_task", &offcache::HostCopyStream::fail_next_task,
         "Tests: the next host copy task fails on its worker thread.");
+  m.def("_fail_query_after", &offcache::Backend::fail_query_after, py::arg("skip"),
+        py::arg("transient") = false,
+        "Tests: the event query after the next `skip` ones raises, once (transient: as during "
+        "another thread's graph capture; else as on a broken CUDA context).");
   m.def(
       "set_pinned_limit", [](size_t bytes) { offcache::EngineUse()->set_limit(bytes); },
       py::call_guard<py::gil_scoped_release>());

@@ -117,45 +117,6 @@ void Engine::free_block(const Block& block) {
   }
 }
 
-void Engine::reclaim_locked() {
-  deferred_.reclaim([this](const Block& b) { free_block(b); });
-}
-
-void Engine::release(HostBlock* hb) noexcept {
-  std::unique_ptr<HostBlock> owned(hb);
-  // In a forked child the CUDA engine's events, registrations and mappings are
-  // the parent's: touching them is undefined, so the block is left alone.
-  if (!backend_->in_owner_process()) return;
-  bool delete_now = false;
-  {
-    std::lock_guard<std::mutex> guard(mu_);
-    if (hb->staging) staging_bytes_ -= hb->block.size;
-    try {
-      deferred_.push(hb->block, std::move(hb->fences));
-      reclaim_locked();
-    } catch (const std::exception& e) {
-      // A fence cannot be queried (a sticky CUDA error, say): whether a copy
-      // still touches the pending blocks is unknown, so they are kept forever.
-      stats_.leaked_blocks += deferred_.size();
-      deferred_.forget();
-      if (!broken_) {
-        broken_ = true;
-        std::fprintf(stderr,
-                     "offcache: the CUDA context is broken (%s); freed host blocks are leaked "
-                     "from now on instead of being reused\n",
-                     e.what());
-      }
-    }
-    delete_now = lifetime_.release_block();
-  }
-  if (delete_now) {
-    try {
-      delete_retired(this);
-    } catch (...) {  // no thread to be had: the engine stays (a leak, not a crash)
-    }
-  }
-}
-
 void Engine::leave() noexcept {
   if (!lifetime_.leave()) return;
   try {
@@ -280,107 +241,17 @@ void Engine::set_timing(bool on) {
   timing_ = on;
 }
 
-std::vector<Engine::InFlight> Engine::reap_locked() {
-  std::vector<InFlight> done;
-  // A stream's copies complete in order: each stream is queried up to its
-  // first copy still running, not every entry on every call.
-  std::vector<const void*> busy;
-  for (auto it = in_flight_.begin(); it != in_flight_.end();) {
-    if (std::find(busy.begin(), busy.end(), it->stream) != busy.end()) {
-      ++it;
-      continue;
-    }
-    if (backend_->query(it->done)) {
-      const double seconds = it->start ? it->done->elapsed_ms_since(*it->start) / 1000.0 : 0.0;
-      (it->dir == Dir::kStore ? stats_.d2h_seconds : stats_.h2d_seconds) += seconds;
-      if (trace_origin_ && it->start) {
-        trace_.push_back(TraceRow{it->dir, it->bytes, it->start->elapsed_ms_since(*trace_origin_),
-                                  it->done->elapsed_ms_since(*trace_origin_)});
-      }
-      stats_.in_flight_bytes -= it->bytes;
-      if (it->bounded) in_flight_dir_[static_cast<int>(it->dir)] -= it->bytes;
-      done.push_back(std::move(*it));
-      it = in_flight_.erase(it);
-    } else {
-      busy.push_back(it->stream);
-      ++it;
-    }
-  }
-  reclaim_locked();
-  return done;
-}
-
 void Engine::note_peaks_locked() {
   auto& s = stats_;
   s.peak_pinned_reserved_bytes = std::max(s.peak_pinned_reserved_bytes, arena_.reserved_bytes());
   s.peak_pinned_in_use_bytes = std::max(s.peak_pinned_in_use_bytes, arena_.in_use_bytes());
   s.peak_pageable_bytes = std::max(s.peak_pageable_bytes, s.pageable_bytes);
-  s.peak_in_flight_bytes = std::max(s.peak_in_flight_bytes, s.in_flight_bytes);
+  s.peak_in_flight_bytes = std::max(s.peak_in_flight_bytes, in_flight_.bytes());
   if (disk_arena_) s.peak_disk_bytes = std::max(s.peak_disk_bytes, disk_arena_->in_use_bytes());
 }
 
-void Engine::throttle(size_t incoming, Dir dir) {
-  // Bounds bytes in flight in one direction (and so staging memory): waits for
-  // that direction's oldest copy while the new one would not fit; a transfer
-  // larger than the bound goes alone. Stores never wait for fetches, nor
-  // fetches for stores: the two directions overlap.
-  const int d = static_cast<int>(dir);
-  for (;;) {
-    EventPtr oldest;
-    std::vector<InFlight> finished;
-    {
-      auto l = lock();
-      finished = reap_locked();
-      if (in_flight_dir_[d] == 0 || in_flight_dir_[d] + incoming <= max_in_flight_) return;
-      for (const InFlight& f : in_flight_) {
-        if (f.dir == dir && f.bounded) {
-          oldest = f.done;
-          break;
-        }
-      }
-    }
-    finished.clear();  // tensors die outside the lock
-    backend_->sync(oldest);
-  }
-}
-
-EventPtr Engine::issue(Dir dir, CopyStream& stream, const std::vector<EventPtr>& deps,
-                       const std::vector<CopyOp>& ops, std::vector<at::Tensor> keepalive,
-                       const std::vector<CopyOp>& split) {
-  size_t bytes = 0;
-  for (const auto& op : ops) bytes += op.total();
-  bool timed;
-  {
-    auto l = lock();
-    timed = timing_ || trace_origin_ != nullptr;
-  }
-  EventPtr start, done;
-  try {
-    std::vector<const Event*> seen;
-    for (const auto& dep : deps) {
-      if (!dep || std::find(seen.begin(), seen.end(), dep.get()) != seen.end()) continue;
-      seen.push_back(dep.get());
-      stream.wait(dep);
-    }
-    if (timed) start = stream.record(true);
-    stream.copy(ops);
-    if (!split.empty()) stream.split(split);
-    done = stream.record(timed);
-  } catch (...) {
-    // Copies may already be queued that read or write `keepalive` and the
-    // callers' blocks: let them finish before anything is freed.
-    stream.synchronize_noexcept();
-    throw;
-  }
-  std::vector<InFlight> finished;  // destroyed after the lock is released
-  auto l = lock();
-  track_locked(start, done, dir, bytes, ops.size(), std::move(keepalive), &stream, true, &finished);
-  l.unlock();
-  return done;
-}
-
 EventPtr Engine::issue_after_reads(Dir dir, CopyStream& stream, std::vector<EventPtr> deps,
-                                   std::vector<CopyOp> ops, std::vector<at::Tensor> keepalive,
+                                   std::vector<CopyOp> ops, HeldTensors held,
                                    std::vector<CopyOp> split) {
   size_t bytes = 0;
   for (const auto& op : ops) bytes += op.total();
@@ -401,32 +272,9 @@ EventPtr Engine::issue_after_reads(Dir dir, CopyStream& stream, std::vector<Even
     chained->finish();
   });
   chained->issued_by(io_->record());
-  std::vector<InFlight> finished;  // destroyed after the lock is released
-  auto l = lock();
-  track_locked(nullptr, chained, dir, bytes, copies, std::move(keepalive), chained.get(), true,
-               &finished);
-  l.unlock();
+  Retire r = retiring();
+  track_locked(r, nullptr, chained, dir, bytes, copies, std::move(held), chained.get(), true);
   return chained;
-}
-
-void Engine::track_locked(EventPtr start, EventPtr done, Dir dir, size_t bytes, size_t copies,
-                          std::vector<at::Tensor> keepalive, const void* stream, bool bounded,
-                          std::vector<InFlight>* finished) {
-  // Every call reaps: a fetch-only loop (calibration, KV decode) must not keep
-  // finished copies' buffers and events alive.
-  *finished = reap_locked();
-  in_flight_.push_back(InFlight{std::move(start), std::move(done), bytes, dir, std::move(keepalive),
-                                stream, bounded});
-  stats_.in_flight_bytes += bytes;
-  if (bounded) in_flight_dir_[static_cast<int>(dir)] += bytes;
-  if (dir == Dir::kStore) {
-    stats_.d2h_bytes += bytes;
-    stats_.d2h_copies += copies;
-  } else {
-    stats_.h2d_bytes += bytes;
-    stats_.h2d_copies += copies;
-  }
-  note_peaks_locked();
 }
 
 bool Engine::is_complete(const EventPtr& e, QueryMemo* memo) {
@@ -499,25 +347,6 @@ void Engine::wait_stored(const at::Tensor& t) {
   check_streams();  // the write waited for may have been skipped
 }
 
-void Engine::synchronize(bool check) {
-  backend_->check_process();
-  std::vector<EventPtr> events;
-  {
-    auto l = lock();
-    for (const auto& f : in_flight_) events.push_back(f.done);
-  }
-  for (auto& e : events) {
-    if (!backend_->query(e)) backend_->sync(e);
-  }
-  std::vector<InFlight> finished;
-  auto l = lock();
-  finished = reap_locked();
-  deferred_.wait_all();
-  reclaim_locked();
-  l.unlock();
-  if (check) check_streams();
-}
-
 void Engine::trace_start(c10::Device device) {
   synchronize();  // copies issued before the origin are not part of the trace
   EventPtr origin = backend_->trace_origin(backend_->resolve_device(device));
@@ -553,10 +382,10 @@ size_t Engine::empty_cache() {
 
 EngineStats Engine::stats() {
   backend_->check_process();
-  std::vector<InFlight> finished;  // destroyed after the lock is released
-  auto l = lock();
-  finished = reap_locked();
+  Retire r = retiring();
+  reap_locked(r);
   EngineStats s = stats_;
+  s.in_flight_bytes = in_flight_.bytes();
   s.pinned_reserved_bytes = arena_.reserved_bytes();
   s.pinned_in_use_bytes = arena_.in_use_bytes();
   s.deferred_bytes = deferred_.bytes();
@@ -588,7 +417,6 @@ EngineStats Engine::stats() {
   s.file_cached_reads = file_cached_reads_.load();
   s.file_buffered_reads = file_buffered_reads_.load();
   s.file_read_seconds = static_cast<double>(file_read_ns_.load()) * 1e-9;
-  l.unlock();
   return s;
 }
 

@@ -14,7 +14,6 @@
 
 #include <atomic>
 #include <chrono>
-#include <deque>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -29,6 +28,7 @@
 #include "core/deferred_free.h"
 #include "core/disk_file.h"
 #include "core/host_stream.h"
+#include "core/in_flight.h"
 #include "core/lifetime.h"
 #include "core/page_source.h"
 #include "dedup.h"
@@ -82,6 +82,13 @@ struct DiskOptions {
   size_t host_limit = SIZE_MAX;
 };
 
+// What a batch of copies keeps alive until it completes (core/in_flight.h).
+using Tensors = std::vector<at::Tensor>;
+using HeldTensors = std::shared_ptr<Held<Tensors>>;
+inline HeldTensors hold(Tensors until_done, Tensors until_queued = {}) {
+  return std::make_shared<Held<Tensors>>(std::move(until_done), std::move(until_queued));
+}
+
 class Engine {
  public:
   Engine(std::unique_ptr<Backend> backend, ArenaOptions arena, size_t max_in_flight,
@@ -102,9 +109,13 @@ class Engine {
   // returned as is) and the copy's completion event. With wait=true the
   // current stream of `device` already waits on it; otherwise the caller
   // makes it wait (Event::wait_current) before use.
+  // `held`: what the engine keeps alive for the copies (the outputs among it);
+  // whoever proves them queued or complete (a ticket's wait) may take it early.
   struct Fetched {
     std::vector<at::Tensor> tensors;
     EventPtr done;
+    std::vector<HeldTensors> held;
+    std::shared_ptr<Handoff> handoff;  // for a ticket waited on another stream (null: none)
   };
   Fetched fetch(const std::vector<at::Tensor>& stored, c10::Device device, bool wait);
   // Tensors read from byte ranges of the file at `path` onto `device`:
@@ -174,18 +185,10 @@ class Engine {
   }
 
  private:
-  struct InFlight {
-    EventPtr start, done;
-    size_t bytes;
-    Dir dir;
-    std::vector<at::Tensor> keepalive;  // staging buffers, sources, destinations
-    const void* stream;                 // entries of one stream complete in order
-    // Counts against the per-direction bound (throttle). fetch_file's do not: their
-    // staging is the ring and their outputs exist already, so nothing waits for the disk.
-    bool bounded = true;
-  };
+  using Retire = Retiring<Tensors>;  // mu_ and what is retired under it, destroyed after it
 
   std::unique_lock<std::mutex> lock();  // mu_, with contention counted
+  Retire retiring() { return Retire(lock()); }
   // Raises the first error a copy-stream or I/O task threw (sticky).
   void check_streams();
   // backend_->resolve_device(d) once per distinct device of a call (`seen`
@@ -228,22 +231,21 @@ class Engine {
   void free_block(const Block& block);  // needs mu_
   void reclaim_locked();
   // Issues one batch of copies on `stream` after `deps`, then `split` (fetch's
-  // span into independent tensors); returns their completion.
+  // span into independent tensors); returns their completion. `held` lives
+  // until then (in the ledger).
   EventPtr issue(Dir dir, CopyStream& stream, const std::vector<EventPtr>& deps,
-                 const std::vector<CopyOp>& ops, std::vector<at::Tensor> keepalive,
+                 const std::vector<CopyOp>& ops, HeldTensors held,
                  const std::vector<CopyOp>& split = {});
   // issue(), but by the I/O thread once the reads queued on io_ before it are done;
   // returns a ChainedEvent at once.
   EventPtr issue_after_reads(Dir dir, CopyStream& stream, std::vector<EventPtr> deps,
-                             std::vector<CopyOp> ops, std::vector<at::Tensor> keepalive,
-                             std::vector<CopyOp> split);
-  // Lists a batch issued on `stream` as in flight (reaping finished ones into `finished`).
-  void track_locked(EventPtr start, EventPtr done, Dir dir, size_t bytes, size_t copies,
-                    std::vector<at::Tensor> keepalive, const void* stream, bool bounded,
-                    std::vector<InFlight>* finished);
+                             std::vector<CopyOp> ops, HeldTensors held, std::vector<CopyOp> split);
+  // Lists a batch issued on `stream` as in flight, then reaps (under r's lock).
+  void track_locked(Retire& r, EventPtr start, EventPtr done, Dir dir, size_t bytes, size_t copies,
+                    HeldTensors held, const void* stream, bool bounded);
   void throttle(size_t incoming, Dir dir);
-  // Moves completed in-flight entries out (destroyed by the caller, unlocked).
-  std::vector<InFlight> reap_locked();
+  // Retires completed batches into r (their tensors die after r's lock is released).
+  void reap_locked(Retire& r);
   void note_peaks_locked();
   std::vector<at::Tensor> store_to_host(const std::vector<at::Tensor>& sources, bool allow_spill,
                                         std::vector<bool>* stored);
@@ -258,8 +260,7 @@ class Engine {
   Arena arena_;
   DeferredFrees deferred_;
   DedupTable dedup_;
-  std::deque<InFlight> in_flight_;
-  size_t in_flight_dir_[2] = {0, 0};  // bytes in flight per Dir
+  InFlightLedger<Tensors> in_flight_;
   std::unordered_map<const c10::StorageImpl*,
                      std::pair<c10::weak_intrusive_ptr<c10::StorageImpl>, EventPtr>>
       device_stores_;  // device tensors written by a copy -> its completion

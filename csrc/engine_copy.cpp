@@ -160,7 +160,7 @@ EventPtr Engine::copy_into(const std::vector<at::Tensor>& dsts, const std::vecto
     std::vector<at::Tensor> keepalive(g.srcs);
     keepalive.insert(keepalive.end(), g.dsts.begin(), g.dsts.end());
     EventPtr done = issue(g.dir, backend_->copy_stream(g.dir, g.stream_device), g.deps, g.ops,
-                          std::move(keepalive));
+                          hold(std::move(keepalive)));
     auto l = lock();
     for (HostBlock* hb : g.read) hb->add_fence(done);
     for (HostBlock* hb : g.written) {

@@ -162,10 +162,13 @@ EventPtr Engine::write_to_disk(HostBlock* hb, const Block& bounce, const char* d
     disk_write_ns_ += ns_since(t0);
   });
   EventPtr written = io_->record();
+  InFlightLedger<Tensors>::Batch batch;
+  batch.done = written;
+  batch.bytes = n;
+  batch.dir = static_cast<int>(Dir::kStore);
+  batch.stream = io_.get();
   auto l = lock();
-  in_flight_.push_back(InFlight{nullptr, written, n, Dir::kStore, {}, io_.get()});
-  stats_.in_flight_bytes += n;
-  in_flight_dir_[static_cast<int>(Dir::kStore)] += n;
+  in_flight_.add(std::move(batch));
   deferred_.push(bounce, {written});
   return written;
 }

@@ -82,6 +82,8 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
   }
 
   std::vector<EventPtr> done_events;
+  std::vector<HeldTensors> held;   // each group's, for the caller's ticket
+  std::vector<at::Tensor> handed;  // device outputs handed over to the consumer's stream
   // Host memory last: its group may be issued by the I/O thread (disk blocks), so its
   // event, then the whole fetch's, is a ChainedEvent that no earlier group waits on.
   std::stable_partition(source_devices.begin(), source_devices.end(),
@@ -130,7 +132,13 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
     const c10::Device stream_dev = from.is_cpu() ? device : from;
     CopyStream& stream = backend_->copy_stream(dir, stream_dev);
     std::vector<CopyOp> ops;
-    std::vector<at::Tensor> keepalive;
+    // What the copies touch, until they complete; device memory allocated on the copy stream
+    // itself (outputs and staging from host memory to a GPU) needs holding only until the
+    // copies are queued there (the stream orders its reuse after them): not at all once
+    // issue() returns, and until the I/O thread queued them for a disk group.
+    const bool on_stream = from.is_cpu() && !device.is_cpu();
+    std::vector<at::Tensor> keepalive, queued;
+    std::vector<at::Tensor>& made = on_stream ? queued : keepalive;
     std::vector<CopyOp> split;
     std::vector<EventPtr> deps;
     std::vector<HostBlock*> blocks;
@@ -155,7 +163,7 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
             split.push_back(CopyOp{o.data_ptr(), base + (p - seg.begin), o.nbytes()});
             out[i] = o;
           }
-          keepalive.push_back(std::move(staging));
+          made.push_back(std::move(staging));
         }
         if (seg.block && std::find(blocks.begin(), blocks.end(), seg.block) == blocks.end()) {
           blocks.push_back(seg.block);
@@ -190,7 +198,7 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
       if (!sources[i].dense.defined() || sources[i].dense.device() != from) continue;
       if (pending[i]) deps.push_back(pending[i]);
       keepalive.push_back(sources[i].dense);
-      keepalive.push_back(out[i]);
+      made.push_back(out[i]);
     }
     if (!from.is_cpu()) deps.push_back(backend_->record_current(from));  // GPU producer -> copy
     if (!from.is_cpu() && !device.is_cpu() && from != device) {
@@ -207,9 +215,12 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
     // Bounded per direction, like stores (a disk group's bounce buffers are its own):
     // past the bound this may wait for an earlier fetch's disk reads.
     throttle(total, dir);
-    EventPtr done = bounces.empty()
-                        ? issue(dir, stream, deps, ops, std::move(keepalive), split)
-                        : issue_after_reads(dir, stream, deps, ops, std::move(keepalive), split);
+    // issue() queues the copies before it returns: till then this call holds that memory.
+    std::vector<at::Tensor> until_issued;
+    if (bounces.empty()) until_issued.swap(queued);
+    held.push_back(hold(std::move(keepalive), std::move(queued)));
+    EventPtr done = bounces.empty() ? issue(dir, stream, deps, ops, held.back(), split)
+                                    : issue_after_reads(dir, stream, deps, ops, held.back(), split);
     {
       auto l = lock();
       ++stats_.fetches;
@@ -220,6 +231,7 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
       for (size_t i = 0; i < n; ++i) {
         if (sources[i].dense.defined() && sources[i].dense.device() == from)
           backend_->hand_over(out[i], device);
+        handed.push_back(out[i]);
       }
     }
     // No snapshot is taken of a GPU source: later work on its stream must not
@@ -231,8 +243,16 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
   for (size_t i = 0; i < n; ++i) {
     if (sources[i].dense.defined()) keep_flags(out[i], stored[i]);
   }
-  if (wait && last) backend_->current_wait(device, last);
-  return {std::move(out), last};
+  std::vector<Tensors> taken;  // dies on return, after `out` took its references
+  if (wait && last) {
+    backend_->current_wait(device, last);
+    // A CPU consumer's wait proves the copies complete (the engine need hold nothing more);
+    // a GPU consumer's proves them queued.
+    for (const HeldTensors& h : held)
+      device.is_cpu() ? h->take_all(&taken) : h->take_queued(&taken);
+  }
+  std::shared_ptr<Handoff> handoff = handed.empty() ? nullptr : backend_->handoff(handed, device);
+  return {std::move(out), last, std::move(held), std::move(handoff)};
 }
 
 }  // namespace offcache

@@ -193,21 +193,28 @@ Engine::Fetched Engine::fetch_file(const std::string& path, const std::vector<in
   }
   chained->issued_by(io.record());
 
-  std::vector<at::Tensor> keepalive(out.begin(), out.end());  // written until `chained`
-  std::vector<InFlight> finished;  // destroyed after the lock is released
+  // The outputs are written until `chained` completes. On a GPU they come from the copy
+  // stream's pool, which orders their reuse after the copies once the I/O thread queued them.
+  Tensors written(out.begin(), out.end());
+  HeldTensors held = device.is_cpu() ? hold(std::move(written)) : hold({}, std::move(written));
   {
-    auto l = lock();
+    Retire r = retiring();
     // Its own stream key: it completes in order with nothing else.
-    track_locked(nullptr, chained, Dir::kFetch, total, copies, std::move(keepalive), chained.get(),
-                 /*bounded=*/false, &finished);
+    track_locked(r, nullptr, chained, Dir::kFetch, total, copies, held, chained.get(),
+                 /*bounded=*/false);
     ++stats_.fetches;
     ++stats_.file_fetches;
   }
   if (!device.is_cpu()) {
     for (const at::Tensor& t : out) backend_->hand_over(t, device);
   }
-  if (wait) backend_->current_wait(device, chained);  // raises if a read failed
-  return {std::move(out), chained};
+  std::vector<Tensors> taken;  // dies on return, after `out` took its references
+  if (wait) {
+    backend_->current_wait(device, chained);  // raises if a read failed
+    device.is_cpu() ? held->take_all(&taken) : held->take_queued(&taken);
+  }
+  std::shared_ptr<Handoff> handoff = device.is_cpu() ? nullptr : backend_->handoff(out, device);
+  return {std::move(out), chained, {held}, std::move(handoff)};
 }
 
 }  // namespace offcache

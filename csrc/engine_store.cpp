@@ -293,8 +293,8 @@ std::vector<at::Tensor> Engine::store_to_host(const std::vector<at::Tensor>& val
       }
       // Producer stream -> event -> D2H copy stream.
       CopyStream& stream = backend_->copy_stream(Dir::kStore, device);
-      EventPtr done =
-          issue(Dir::kStore, stream, {backend_->record_current(device)}, ops, std::move(keepalive));
+      EventPtr done = issue(Dir::kStore, stream, {backend_->record_current(device)}, ops,
+                            hold(std::move(keepalive)));
       // Without a snapshot, later work on the producer stream may not touch the
       // sources before the copy has read them.
       if (direct) backend_->current_wait(device, done);
@@ -329,7 +329,7 @@ at::Tensor Engine::store_to_device(const at::Tensor& value, c10::Device target) 
   EventPtr done =
       issue(Dir::kStore, backend_->copy_stream(Dir::kStore, device),
             {backend_->record_current(value.device()), backend_->record_current(target)},
-            {CopyOp{dst.data_ptr(), src.data_ptr(), src.nbytes()}}, {src, dst});
+            {CopyOp{dst.data_ptr(), src.data_ptr(), src.nbytes()}}, hold({src, dst}));
   keep_flags(dst, value);
   auto l = lock();
   note_device_access(dst, done, /*write=*/true);

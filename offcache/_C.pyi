@@ -114,6 +114,9 @@ def _fail_next_copy() -> None:
 def _fail_next_task() -> None:
     """Tests: the next host copy task fails on its worker thread."""
 
+def _fail_query_after(skip: int, transient: bool = False) -> None:
+    """Tests: the event query after the next `skip` ones raises, once."""
+
 def synchronize() -> None:
     """Wait for every copy in flight and return freed blocks to the arena."""
 

@@ -743,6 +743,12 @@ def _fail_next_task() -> None:
     _C._fail_next_task()
 
 
+def _fail_query_after(skip: int, transient: bool = False) -> None:
+    """Tests only: the event query after the next `skip` ones raises, once (transient: as during
+    another thread's CUDA graph capture, a state asked again later; else as on a broken context)."""
+    _C._fail_query_after(skip, transient)
+
+
 def warn_if_spilled(stacklevel: int = 2) -> None:
     """Emit the engine's one-time spill notice as a SpillWarning pointing at the caller's caller."""
     notice = _C.take_spill_notice()

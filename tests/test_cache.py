@@ -1,9 +1,11 @@
 """IntermediatesCache: llm-compressor's API and semantics, nested values, prefetch, copies."""
 
 import copy
+import gc
 import pickle
 import sys
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -550,3 +552,35 @@ def test_containers_that_hold_tensors_are_rebuilt_and_the_rest_kept(engine):
     assert got is not value and got["mixed"] is not value["mixed"]  # holds a tensor: a new container
     assert got["plain"] is shared and got["mixed"][0] is shared and got["empty"] is value["empty"]
     assert torch.equal(got["mixed"][1], torch.ones(2))
+
+
+def test_a_dropped_fetch_result_dies_at_once(host_engine):
+    # The engine's ledger of copies in flight held every fetch's outputs until its next call.
+    cache = IntermediatesCache.empty(1, "cpu")
+    cache.update(0, {"x": torch.randn(1000), "y": torch.randn(10)})
+    out = cache.fetch(0, ["x"])["x"]
+    r = weakref.ref(out)
+    del out
+    gc.collect()
+    assert r() is None
+    for batch in cache.iter_prefetch(["x", "y"]):  # fetched ahead, then waited for by ticket
+        refs = [weakref.ref(v) for v in batch.values()]
+    del batch
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def test_a_fetch_ticket_seen_complete_releases_the_outputs(host_engine):
+    cpu = torch.device("cpu")
+    stored = _engine.store([torch.randn(100), torch.randn(3)], cpu)
+    for see in ("wait", "query"):
+        outs, ticket = _engine.fetch(stored, cpu, False)
+        refs = [weakref.ref(o) for o in outs]
+        if see == "wait":
+            ticket.wait()
+        else:
+            while not ticket.query():
+                pass
+        del outs
+        gc.collect()
+        assert all(r() is None for r in refs), see

@@ -582,3 +582,117 @@ def test_prefetched_gpu_weight_not_served_stale_after_an_edit_through_data(edit)
             assert torch.equal(cache["w"].cpu(), torch.full((64, 64), 5.0))
     finally:
         oc_ct.unpatch()
+
+
+# --- the in-flight ledger, fetch outputs' lifetime, streams that wait (issue 24) -----------------
+
+
+def test_a_sticky_error_while_reaping_raises_and_does_not_deadlock(tmp_path):
+    # A device-side assert breaks the context: every later event query raises. A host-stream
+    # store (CPU to CPU, slowed) listed before a GPU fetch completes; reaping retires it (its
+    # arena staging buffer held by the ledger only), then the fetch's query raises: the buffer
+    # used to die under the engine's lock and its release to take that lock again (a hang).
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import os, torch, offcache
+        from offcache import _engine
+        offcache.configure(backend="cuda", host_copy_delay_us=200_000, disk_dir="none")
+        cpu, dev = torch.device("cpu"), torch.device("cuda:0")
+        (g,) = _engine.store([torch.randn(1000, device=dev)], cpu)
+        offcache.synchronize()
+        (a,) = _engine.store([torch.randn(1000)], cpu)  # a host stream, slowed: still in flight
+        _engine.fetch([g], dev, False)  # listed after it
+        torch.arange(3, device=dev)[torch.tensor([10], device=dev)]  # device-side assert
+        try:
+            torch.cuda.synchronize()
+        except RuntimeError:
+            pass
+        _engine.wait_stored(a)  # the host store completes; not reaped yet
+        try:
+            offcache.stats()
+        except RuntimeError as e:
+            print("raised:", str(e)[:200], flush=True)
+        del a, g  # released on a broken context: leaked, never a hang
+        print("survived", flush=True)
+        os._exit(0)
+        """
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's offcache
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": root},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "raised:" in proc.stdout and "survived" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("path", ["fetch", "fetch_disk", "fetch_file"])
+def test_a_dropped_fetch_result_frees_its_device_memory_at_once(engine_config, tmp_path, path):
+    import gc
+    import weakref
+
+    engine_config(backend="cuda", **({"host_limit": 0, "disk_dir": tmp_path} if path == "fetch_disk" else {}))
+    x = torch.randn(1 << 20)
+    file = tmp_path / "x.bin"
+    x.numpy().tofile(file)
+    (stored,) = _engine.store([x], CPU)
+    offcache.synchronize()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(DEV)
+    if path == "fetch_file":
+        (out,), ticket = _engine.fetch_file(file, [(0, [1 << 20], torch.float32)], DEV, wait=False)
+        ticket.wait()
+    else:
+        (out,), _ = _engine.fetch([stored], DEV, True)
+    assert torch.equal(out.cpu(), x)
+    r = weakref.ref(out)
+    del out
+    gc.collect()
+    assert r() is None
+    assert torch.cuda.memory_allocated(DEV) == before  # nothing held until the next engine call
+
+
+def test_a_ticket_waited_on_a_side_stream_keeps_the_outputs_from_reuse_there():
+    # Fetched on the default stream (handed over to it), waited for and read on `side`, then
+    # dropped: the allocator must not give the block to the next fetch while `side` still reads.
+    x = torch.randn(1 << 22)
+    (stored,) = _engine.store([x], CPU)
+    (zeros,) = _engine.store([torch.zeros(1 << 22)], CPU)
+    offcache.synchronize()
+    side = torch.cuda.Stream(DEV)
+    (out,), ticket = _engine.fetch([stored], DEV, wait=False)
+    with torch.cuda.stream(side):
+        ticket.wait()
+        torch.cuda._sleep(200_000_000)  # `side` is busy a while before it reads `out`
+        total = out.sum()
+    del out
+    (again,), _ = _engine.fetch([zeros], DEV, True)  # from the copy stream's pool, as `out` was
+    torch.cuda.synchronize()
+    assert torch.allclose(total.cpu(), x.sum(), rtol=1e-4, atol=1e-2)
+    assert int(again.count_nonzero()) == 0
+
+
+def test_a_copy_stream_follows_a_disk_fetch_in_flight_without_a_host_wait(engine_config, tmp_path):
+    # copy_into into a disk block still read by a disk-tier fetch (a ChainedEvent fence): the copy
+    # stream waits on the fetch's last copy event once it is issued; the host did wait on it.
+    engine_config(backend="cuda", host_limit=0, disk_dir=tmp_path)
+    x = torch.randn(1 << 26)  # 256 MiB: its H2D copy still runs when copy_into is issued
+    (stored,) = _engine.store([x], CPU)
+    offcache.synchronize()
+    assert _engine.is_disk_tensor(stored)
+    (back,), ticket = _engine.fetch([stored], DEV, wait=False)
+    ticket.wait()  # the host waits until the copies are issued, not done
+    before = offcache.stats()["syncs"]
+    src = torch.full((1 << 26,), 3.0, device=DEV)
+    _engine.copy_into([stored], [src], wait=False)
+    assert offcache.stats()["syncs"] == before
+    torch.cuda.synchronize()
+    offcache.synchronize()
+    assert torch.equal(back.cpu(), x)  # the fetch read the block before copy_into wrote it
+    _engine.wait_stored(stored)
+    assert bool((stored == 3.0).all())

@@ -150,6 +150,17 @@ def test_onloaded_value_is_garbage_collected(cache):
     assert r() is None
 
 
+def test_a_dropped_onloaded_weight_dies_at_once(cache):
+    # Without an engine call or synchronize(): the engine held the fetch's output until its next
+    # call (compressed-tensors' test_delete checks exactly this).
+    cache["weight"] = torch.ones(10)
+    onloaded = cache["weight"]
+    r = ref(onloaded)
+    del onloaded
+    gc.collect()
+    assert r() is None
+
+
 def test_offload_and_onload(cache):
     tensor = torch.randn(10)
     offloaded = cache.offload(tensor)

@@ -6,13 +6,6 @@ void DeferredFrees::push(const Block& block, std::vector<EventPtr> fences) {
   pending_.push_back(Pending{block, std::move(fences)});
 }
 
-bool DeferredFrees::done(Pending& p) {
-  for (auto& e : p.fences) {
-    if (e && !e->query()) return false;
-  }
-  return true;
-}
-
 void DeferredFrees::wait_all() {
   for (auto& p : pending_) {
     for (auto& e : p.fences) {

@@ -2,7 +2,10 @@
 // handed back only once every fence (store and fetch events) has completed.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
+#include <iterator>
+#include <utility>
 #include <vector>
 
 #include "arena.h"
@@ -13,13 +16,29 @@ namespace offcache {
 class DeferredFrees {
  public:
   void push(const Block& block, std::vector<EventPtr> fences);
-  // Releases every block whose fences are complete; returns how many.
-  template <class Release>
-  size_t reclaim(Release&& release) {
-    // Stable compaction: the pending list stays oldest first.
-    size_t kept = 0, n = 0;
-    for (size_t i = 0; i < pending_.size(); ++i) {
-      if (done(pending_[i])) {
+  // Releases every block whose fences are complete (query(fence) is true for
+  // each); returns how many. Exception-safe: when a query or a release throws,
+  // the blocks released before it are off the list and every other block
+  // stays pending, in order (none is released twice, none is lost).
+  template <class Query, class Release>
+  size_t reclaim(Query&& query, Release&& release) {
+    // Stable compaction: the pending list stays oldest first. [0, kept) are
+    // kept, [i, size) not yet visited; on every exit the gap between closes.
+    size_t kept = 0, i = 0, n = 0;
+    struct Close {
+      std::vector<Pending>& v;
+      size_t& kept;
+      size_t& i;
+      ~Close() {
+        if (kept != i) {
+          std::move(v.begin() + static_cast<std::ptrdiff_t>(i), v.end(),
+                    v.begin() + static_cast<std::ptrdiff_t>(kept));
+        }
+        v.resize(kept + (v.size() - i));
+      }
+    } close{pending_, kept, i};
+    for (; i < pending_.size(); ++i) {
+      if (done(pending_[i], query)) {
         release(pending_[i].block);
         ++n;
       } else {
@@ -27,8 +46,11 @@ class DeferredFrees {
         ++kept;
       }
     }
-    pending_.resize(kept);
     return n;
+  }
+  template <class Release>
+  size_t reclaim(Release&& release) {
+    return reclaim([](const EventPtr& e) { return e->query(); }, std::forward<Release>(release));
   }
   // Blocks until the fences of every pending block complete (host waits).
   void wait_all();
@@ -54,7 +76,13 @@ class DeferredFrees {
     Block block;
     std::vector<EventPtr> fences;
   };
-  static bool done(Pending& p);
+  template <class Query>
+  static bool done(const Pending& p, Query& query) {
+    for (const auto& e : p.fences) {
+      if (e && !query(e)) return false;
+    }
+    return true;
+  }
   std::vector<Pending> pending_;
 };
 

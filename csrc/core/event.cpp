@@ -47,7 +47,7 @@ void ChainedEvent::wait() {
 }
 
 void ChainedEvent::wait_current(int device) {
-  issued_->wait();
+  after_issued();
   if (!finished_) {
     if (latest_) latest_->wait();  // what was issued lands before anyone hears of the failure
     throw std::runtime_error(

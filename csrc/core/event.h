@@ -8,9 +8,18 @@
 #include <condition_variable>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 
 namespace offcache {
+
+// Thrown by Event::query when the event's state cannot be known now but
+// nothing is broken (a CUDA graph capture on another thread forbids the
+// query): ask again later. Any other exception from a query means the event
+// will never be known (a sticky CUDA error: the context is broken).
+struct EventUnknown : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
 
 class Event {
  public:
@@ -66,6 +75,13 @@ class ChainedEvent final : public Event {
   void fail(std::string why) { why_ = std::move(why); }
   bool failed() const { return !why_.empty(); }  // on the issuing thread
   bool issued() const { return issued_->query(); }
+  // Blocks until every task ran (or was skipped after a failure); returns the
+  // last handed-over event, which covers all that was issued (null: nothing).
+  // A stream that must follow the copies waits on it, not the host on them.
+  EventPtr after_issued() {
+    issued_->wait();
+    return latest_;
+  }
   bool query() override { return issued_->query() && (!latest_ || latest_->query()); }
   void wait() override;
   void wait_current(int device) override;
