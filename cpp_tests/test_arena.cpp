@@ -142,6 +142,24 @@ TEST(Arena, KeepsOnlyOneEmptySpareChunk) {
   EXPECT_EQ(src.live, 0);
 }
 
+// The disk tier's I/O buffers: every chunk made stays until release_empty_chunks(), so a
+// working set of several chunks is not registered and unregistered on every cycle.
+TEST(Arena, KeepEmptyChunksKeepsEveryChunkUntilReleased) {
+  CountingSource src;
+  ArenaOptions o = fixed(4096);
+  o.keep_empty_chunks = true;
+  Arena arena(src, o);
+  for (int round = 0; round < 3; ++round) {
+    std::vector<Block> blocks;
+    for (int i = 0; i < 4; ++i) blocks.push_back(*arena.allocate(4096));
+    for (auto& b : blocks) arena.free(b);
+    EXPECT_EQ(src.live, 4);
+    EXPECT_EQ(arena.reserved_bytes(), 4u * 4096);
+  }
+  EXPECT_EQ(arena.release_empty_chunks(), 4u * 4096);
+  EXPECT_EQ(src.live, 0);
+}
+
 TEST(Arena, GrowthKeepsOverReservationSmall) {
   CountingSource src;
   ArenaOptions o;

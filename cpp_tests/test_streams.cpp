@@ -1,4 +1,5 @@
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -95,6 +96,57 @@ TEST(HostStream, ForkWhileBusy) {
   EXPECT_EQ(ran.load(), 50);
 }
 
+// fork() while an I/O stream's task waits for an event of a copy stream made (and
+// registered) before it, with work still arriving: the fork handler must not stop the
+// copy stream first and leave that task, and so the fork, waiting forever. Run in a
+// process of its own, so that a hang fails the test instead of hanging it.
+TEST(HostStream, ForkWhileATaskWaitsOnAnotherStreamDoesNotHang) {
+#if defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "ThreadSanitizer cannot start threads in a forked child";
+#endif
+  const pid_t runner = fork();
+  ASSERT_GE(runner, 0);
+  if (runner == 0) {
+    int code = 0;
+    {
+      HostStream copies;  // registered first
+      HostStream io;
+      std::atomic<bool> stop{false};
+      std::thread feeder([&] {
+        for (int n = 1; !stop.load(); ++n) {
+          copies.submit([] { std::this_thread::sleep_for(std::chrono::microseconds(300)); });
+          io.wait_event(copies.record());
+          io.submit([] {});
+          if (n % 8 == 0) io.synchronize();  // a bounded queue
+        }
+      });
+      for (int i = 0; i < 30 && code == 0; ++i) {
+        const pid_t pid = fork();
+        if (pid == 0) _exit(0);
+        int status = 0;
+        if (pid < 0 || waitpid(pid, &status, 0) != pid || !WIFEXITED(status)) code = 1;
+      }
+      stop = true;
+      feeder.join();
+    }
+    _exit(code);
+  }
+  int status = 0;
+  pid_t done = 0;
+  for (int i = 0; i < 1200 && done == 0; ++i) {  // a hang guard: 2 minutes for 30 forks
+    done = waitpid(runner, &status, WNOHANG);
+    if (done == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  if (done == 0) {
+    kill(runner, SIGKILL);
+    waitpid(runner, &status, 0);
+    FAIL() << "fork() hung while a task waited for another stream's event";
+  }
+  ASSERT_EQ(done, runner);
+  EXPECT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+}
+
 class MallocSource : public ChunkSource {
  public:
   void* allocate(size_t bytes, std::string*) override { return std::malloc(bytes); }
@@ -157,6 +209,42 @@ TEST(HostStream, WaitOnAFailingEventCompletesLaterEvents) {
   auto e = s.record();
   e->wait();
   EXPECT_EQ(s.error(), "event wait failed");
+}
+
+// The owner's per-thread preparation (a CUDA device selection, say) runs on the
+// worker before every task, wait_event's waits included, and never on another thread.
+TEST(HostStream, PrepareRunsOnTheWorkerBeforeEachTask) {
+  thread_local bool prepared = false;
+  std::atomic<int> calls{0};
+  std::atomic<int> unprepared{0};
+  HostStream producer;
+  HostStream s([&] {
+    prepared = true;
+    ++calls;
+  });
+  auto check = [&] {
+    if (!prepared) ++unprepared;
+  };
+  s.submit(check);
+  producer.submit([] { std::this_thread::sleep_for(std::chrono::milliseconds(5)); });
+  s.wait_event(producer.record());
+  s.submit(check);
+  s.synchronize();
+  EXPECT_FALSE(prepared);  // this thread was never prepared
+  EXPECT_EQ(unprepared.load(), 0);
+  EXPECT_GE(calls.load(), 2);
+}
+
+// A preparation that throws fails its task like the task's own error would:
+// sticky, and later events still complete.
+TEST(HostStream, PrepareThatThrowsFailsTheTaskNotTheEvents) {
+  std::atomic<int> ran{0};
+  HostStream s([] { throw std::runtime_error("cudaSetDevice failed"); });
+  s.submit([&] { ++ran; });
+  auto e = s.record();
+  e->wait();
+  EXPECT_EQ(ran.load(), 0);
+  EXPECT_EQ(s.error(), "cudaSetDevice failed");
 }
 
 // Copies issued by the I/O thread once their reads are done: the chained event

@@ -42,8 +42,33 @@ struct Counters {
   std::atomic<uint64_t> copy_calls{0};    // cudaMemcpyAsync calls, or memcpy calls
   std::atomic<uint64_t> host_callbacks{0};
   std::atomic<uint64_t> pinned_registrations{0};
-  std::atomic<uint64_t> syncs{0};          // the host blocked on an event
-  std::atomic<uint64_t> event_queries{0};  // the engine asked whether an event completed
+  std::atomic<uint64_t> syncs{0};             // the host blocked on an event (or a blocking copy)
+  std::atomic<uint64_t> event_queries{0};     // the engine asked whether an event completed
+  std::atomic<uint64_t> threads_prepared{0};  // engine threads that ran prepare_thread()
+  // Chunks the backend's chunk source made and took back (on CUDA each is a
+  // cudaHostRegister / cudaHostUnregister; on the host an mmap / munmap).
+  std::atomic<uint64_t> chunks_made{0};
+  std::atomic<uint64_t> chunks_released{0};
+};
+
+// A backend's chunk source, counted (Counters::chunks_made / chunks_released).
+class CountedChunks final : public ChunkSource {
+ public:
+  CountedChunks(ChunkSource& source, Counters& counters) : source_(source), counters_(counters) {}
+  void* allocate(size_t bytes, std::string* error) override {
+    void* p = source_.allocate(bytes, error);
+    if (p != nullptr) ++counters_.chunks_made;
+    return p;
+  }
+  void release(void* ptr, size_t bytes) noexcept override {
+    ++counters_.chunks_released;
+    source_.release(ptr, bytes);
+  }
+  bool pinned() const override { return source_.pinned(); }
+
+ private:
+  ChunkSource& source_;
+  Counters& counters_;
 };
 
 // A fetch's device outputs as its ticket sees them, weakly (a ticket must not
@@ -116,9 +141,14 @@ class Backend {
   }
   // Lets `from`'s copy engine read and write `to`'s memory directly.
   virtual void enable_peer_access(c10::Device from, c10::Device to) = 0;
-  // Called on an engine I/O thread before it issues copies: it never captures a
-  // graph, so its calls must not invalidate another thread's capture (CUDA).
-  virtual void prepare_io_thread() {}
+  // Run by every engine-owned thread (the host copy streams' workers, the I/O
+  // threads, the thread deleting a retired engine) before each task: a thread
+  // of the engine's, never one of the caller's. Cheap once done (a thread-local
+  // check). On CUDA it selects the backend's device before the thread's first
+  // CUDA call (else the runtime makes a context on GPU 0 of every rank) and
+  // relaxes the thread's capture mode (it never captures a graph, so its calls
+  // must not invalidate a capture on another thread). Counted once per thread.
+  virtual void prepare_thread() = 0;
   // False in a forked child of a process whose engine cannot cross fork (CUDA).
   virtual bool in_owner_process() const { return true; }
   // Raises the fork error where in_owner_process() is false.

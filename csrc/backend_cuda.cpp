@@ -263,7 +263,9 @@ const int g_fork_handlers =
 // limits) returns nullptr so the engine spills instead of crashing.
 class PinnedSource : public ChunkSource {
  public:
-  explicit PinnedSource(Counters& counters) : counters_(counters), pages_(/*wipe_on_fork=*/true) {}
+  // registered(device): a chunk was registered on a thread whose current device is `device`.
+  PinnedSource(Counters& counters, std::function<void(int)> registered)
+      : counters_(counters), registered_(std::move(registered)), pages_(/*wipe_on_fork=*/true) {}
   void* allocate(size_t bytes, std::string* error) override {
     void* p = pages_.allocate(bytes, error);
     if (p == nullptr) return nullptr;
@@ -287,6 +289,14 @@ class PinnedSource : public ChunkSource {
       if (error) *error = "out of memory registering a pinned chunk";
       return nullptr;
     }
+    // The registration made this thread's device's context: the engine's threads may use it
+    // (releasing the chunk later) where the engine has used no GPU yet.
+    int device = -1;
+    if (cudaGetDevice(&device) == cudaSuccess) {
+      registered_(device);
+    } else {
+      (void)cudaGetLastError();
+    }
     return p;
   }
   void release(void* ptr, size_t bytes) noexcept override {
@@ -301,15 +311,16 @@ class PinnedSource : public ChunkSource {
 
  private:
   Counters& counters_;
+  std::function<void(int)> registered_;
   PageSource pages_;
 };
 
 class CudaBackend : public Backend {
  public:
   explicit CudaBackend(int64_t host_copy_delay_us)
-      : host_d2h_(counters, host_copy_delay_us),
-        host_h2d_(counters, host_copy_delay_us),
-        pinned_(counters),
+      : host_d2h_(counters, host_copy_delay_us, [this] { prepare_thread(); }),
+        host_h2d_(counters, host_copy_delay_us, [this] { prepare_thread(); }),
+        pinned_(counters, [this](int device) { note_device(device); }),
         owner_pid_(getpid()),
         generation_(g_fork_generation.load()) {
     (void)g_fork_handlers;
@@ -318,8 +329,8 @@ class CudaBackend : public Backend {
     streams_.resize(n);
   }
   BackendKind kind() const override { return BackendKind::kCuda; }
-  ChunkSource& chunks() override { return pinned_; }
-  const ChunkSource& chunks() const override { return pinned_; }
+  ChunkSource& chunks() override { return counted_; }
+  const ChunkSource& chunks() const override { return counted_; }
 
   bool in_owner_process() const override { return g_fork_generation.load() == generation_; }
   void check_process() const override {
@@ -337,6 +348,7 @@ class CudaBackend : public Backend {
     TORCH_CHECK(device.is_cpu() || device.index() < static_cast<int>(streams_.size()),
                 "offcache: no such CUDA device ", device);
     if (device.is_cuda()) {
+      note_device(device.index());
       c10::cuda::CUDAGuard guard(device.index());
       TORCH_CHECK(
           c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None,
@@ -349,6 +361,7 @@ class CudaBackend : public Backend {
 
   EventPtr record_current(c10::Device device) override {
     if (device.is_cpu()) return HostEvent::completed();  // CPU work is synchronous
+    note_device(device.index());
     auto event = std::make_shared<CudaEvent>(pools_.at(device.index()), false);
     event->record(c10::cuda::getCurrentCUDAStream(device.index()).stream());
     return event;
@@ -365,6 +378,7 @@ class CudaBackend : public Backend {
 
   CopyStream& copy_stream(Dir dir, c10::Device device) override {
     if (device.is_cpu()) return dir == Dir::kStore ? host_d2h_ : host_h2d_;
+    note_device(device.index());
     std::lock_guard<std::mutex> lock(mu_);
     auto& slot = streams_.at(device.index())[static_cast<int>(dir)];
     if (!slot)
@@ -374,16 +388,29 @@ class CudaBackend : public Backend {
 
   EventPtr trace_origin(c10::Device device) override {
     if (device.is_cpu()) return HostEvent::completed();
+    note_device(device.index());
     auto event = std::make_shared<CudaEvent>(pools_.at(device.index()), true);
     event->record(c10::cuda::getCurrentCUDAStream(device.index()).stream());
     return event;
   }
 
-  void prepare_io_thread() override {
+  void prepare_thread() override {
+    // Keyed by backend and device: the device is known only once the engine used
+    // one, and a thread that ran before (CPU traffic only) made no CUDA call.
+    thread_local const CudaBackend* prepared_for = nullptr;
+    thread_local int prepared_device = -1;
     thread_local bool relaxed = false;
+    if (!in_owner_process()) return;  // a forked child makes no CUDA call
+    const int device = home_.load(std::memory_order_acquire);
+    if (prepared_for == this && prepared_device == device) return;
+    if (prepared_for != this) ++counters.threads_prepared;
+    prepared_for = this;
+    prepared_device = device;
+    if (device < 0) return;
+    OFFCACHE_CUDA_CHECK(cudaSetDevice(device));
     if (relaxed) return;
-    // A global-mode capture on another thread forbids unsafe calls on every thread
-    // that has not relaxed its own mode.
+    // A global-mode capture on another thread forbids unsafe calls on every
+    // thread that has not relaxed its own mode.
     cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
     OFFCACHE_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
     relaxed = true;
@@ -422,9 +449,18 @@ class CudaBackend : public Backend {
   }
 
  private:
+  // The device the engine's threads select: the first one this backend used
+  // (a GPU whose context exists already), -1 before.
+  void note_device(int device) const {
+    int none = -1;
+    home_.compare_exchange_strong(none, device, std::memory_order_acq_rel);
+  }
+
+  mutable std::atomic<int> home_{-1};
   HostCopyStream host_d2h_;  // CPU-to-CPU traffic
   HostCopyStream host_h2d_;
   PinnedSource pinned_;
+  CountedChunks counted_{pinned_, counters};
   pid_t owner_pid_;
   uint64_t generation_;  // g_fork_generation when made: another value means a forked child
   std::mutex mu_;

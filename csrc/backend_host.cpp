@@ -113,8 +113,18 @@ void HostCopyStream::synchronize_noexcept() noexcept {
   }
 }
 
+// The workers call it only for tasks, submitted once the backend is made.
 HostBackend::HostBackend(int64_t copy_delay_us)
-    : d2h_(counters, copy_delay_us), h2d_(counters, copy_delay_us) {}
+    : d2h_(counters, copy_delay_us, [this] { prepare_thread(); }),
+      h2d_(counters, copy_delay_us, [this] { prepare_thread(); }) {}
+
+void HostBackend::prepare_thread() {
+  // Nothing to select on the host: counted, so tests see every engine thread run it.
+  thread_local const Backend* prepared_for = nullptr;
+  if (prepared_for == this) return;
+  prepared_for = this;
+  ++counters.threads_prepared;
+}
 
 c10::Device HostBackend::resolve_device(c10::Device device) const {
   TORCH_CHECK(device.is_cpu(), "offcache: the host backend handles CPU tensors only, got ", device,

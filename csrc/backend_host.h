@@ -2,7 +2,9 @@
 // The CUDA backend reuses its copy streams for CPU-to-CPU traffic.
 #pragma once
 
+#include <functional>
 #include <memory>
+#include <utility>
 
 #include "backend.h"
 #include "core/host_stream.h"
@@ -13,8 +15,9 @@ namespace offcache {
 class HostCopyStream final : public CopyStream {
  public:
   // copy_delay_us slows each emulated copy to widen race windows in tests.
-  HostCopyStream(Counters& counters, int64_t copy_delay_us)
-      : counters_(counters), copy_delay_us_(copy_delay_us) {}
+  // prepare: the owning backend's prepare_thread, run on the worker (HostStream).
+  HostCopyStream(Counters& counters, int64_t copy_delay_us, std::function<void()> prepare)
+      : counters_(counters), copy_delay_us_(copy_delay_us), stream_(std::move(prepare)) {}
   void wait(const EventPtr& event) override;
   void copy(const std::vector<CopyOp>& ops) override;
   EventPtr record(bool timed) override;
@@ -39,8 +42,8 @@ class HostBackend : public Backend {
  public:
   explicit HostBackend(int64_t copy_delay_us);
   BackendKind kind() const override { return BackendKind::kHost; }
-  ChunkSource& chunks() override { return source_; }
-  const ChunkSource& chunks() const override { return source_; }
+  ChunkSource& chunks() override { return counted_; }
+  const ChunkSource& chunks() const override { return counted_; }
   c10::Device resolve_device(c10::Device device) const override;
   EventPtr record_current(c10::Device device) override;
   void current_wait(c10::Device device, const EventPtr& event) override;
@@ -48,10 +51,12 @@ class HostBackend : public Backend {
   EventPtr trace_origin(c10::Device) override { return HostEvent::completed(); }
   void hand_over(const at::Tensor&, c10::Device) override {}
   void enable_peer_access(c10::Device, c10::Device) override {}
+  void prepare_thread() override;
   std::string stream_error() override;
 
  private:
   PageSource source_;
+  CountedChunks counted_{source_, counters};
   HostCopyStream d2h_;
   HostCopyStream h2d_;
 };

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <mutex>
 #include <thread>
 
@@ -153,7 +154,14 @@ void delete_retired(Engine* engine) {
   if (g_retired.take_if_idle(engine) == nullptr) return;
   // Off the calling thread: it may be one of the engine's own copy-stream
   // workers (a tensor dying in a task), which the destructor joins.
-  std::thread([engine] { delete engine; }).detach();
+  std::thread([engine] {
+    try {
+      engine->prepare_thread();  // its device selected before the streams and chunks go
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "offcache: retiring an engine: %s\n", e.what());
+    }
+    delete engine;
+  }).detach();
 }
 
 void synchronize_all() {

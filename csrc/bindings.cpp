@@ -78,6 +78,7 @@ py::dict stats_dict() {
   OFFCACHE_FIELD(peak_pinned_in_use_bytes);
   OFFCACHE_FIELD(peak_pageable_bytes);
   OFFCACHE_FIELD(peak_in_flight_bytes);
+  OFFCACHE_FIELD(peak_host_bytes);
   OFFCACHE_FIELD(dedup_hits);
   OFFCACHE_FIELD(spills);
   OFFCACHE_FIELD(stores);
@@ -105,6 +106,9 @@ py::dict stats_dict() {
   OFFCACHE_FIELD(pinned_registrations);
   OFFCACHE_FIELD(syncs);
   OFFCACHE_FIELD(event_queries);
+  OFFCACHE_FIELD(threads_prepared);
+  OFFCACHE_FIELD(chunks_made);
+  OFFCACHE_FIELD(chunks_released);
   OFFCACHE_FIELD(host_limit_bytes);
   OFFCACHE_FIELD(disk_bytes);
   OFFCACHE_FIELD(disk_reserved_bytes);

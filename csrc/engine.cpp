@@ -29,6 +29,9 @@ Engine::Engine(std::unique_ptr<Backend> backend, ArenaOptions arena, size_t max_
   bounce.min_chunk = bounce.max_chunk = kBounceChunkBytes;
   bounce.limit = kBounceArenaBytes;
   bounce.alignment = kDiskAlign;
+  // Its chunks stay until empty_cache(): each costs a registration to make and give back,
+  // and the disk tier cycles through them on every store and fetch.
+  bounce.keep_empty_chunks = true;
   bounce_arena_ = std::make_unique<Arena>(backend_->chunks(), bounce);
 }
 
@@ -104,6 +107,8 @@ void Engine::free_block(const Block& block) {
     } else {
       pageable_.release(block.ptr, block.size);
     }
+  } else if (block.chunk == kRingChunk) {
+    backend_->chunks().release(block.ptr, block.size);
   } else if (from_bounce_arena(block)) {
     Block b = block;
     b.chunk &= ~kBounceArenaBit;
@@ -125,39 +130,96 @@ void Engine::leave() noexcept {
   }
 }
 
-HostBlock* Engine::allocate_host(size_t bytes, bool allow_spill, bool staging) {
-  std::string why;
-  std::optional<Block> block;
-  if (!disk_ && allow_spill && !staging) {
-    // No disk tier: the host limit still holds (a run is refused, not killed).
+size_t Engine::host_held_locked() const {
+  // Every byte of host memory that holds values, snapshot staging and blocks
+  // waiting on their copies included (the disk tier's I/O buffers are bounded apart).
+  return arena_.in_use_bytes() + stats_.pageable_bytes;
+}
+
+size_t Engine::host_need(size_t bytes) const {
+  // What a block of `bytes` may take: an arena block or a page-rounded pageable one.
+  return std::max(arena_.round_up(bytes), align_up(std::max<size_t>(bytes, 1), 4096));
+}
+
+bool Engine::wait_for_host_room(size_t bytes, size_t* held) {
+  const size_t limit = disk_options_.host_limit;
+  const auto fits = [&] {
+    *held = host_held_locked();
+    return *held + bytes >= *held && *held + bytes <= limit;
+  };
+  {
     auto l = lock();
     reclaim_locked();
-    const size_t held = arena_.in_use_bytes() + stats_.pageable_bytes - staging_bytes_;
-    const size_t limit = disk_options_.host_limit;
-    if (held + bytes > limit || held + bytes < held) {
-      throw HostLimitError(
-          "offcache: storing " + std::to_string(bytes) +
-          " more bytes would take host memory past "
-          "the host limit of " +
-          std::to_string(limit) + " bytes (" + std::to_string(held) +
-          " in use, pinned + pageable); values stored earlier are intact. Raise "
-          "OFFCACHE_HOST_LIMIT, or set OFFCACHE_DISK_DIR to a folder on local disk for the values "
-          "past it");
-    }
+    if (fits()) return true;
   }
-  if (disk_ && allow_spill && !staging) {  // a snapshot's staging never goes to disk
-    // Placement: first come stays in memory. Past the host limit, new values
-    // go to disk; nothing moves between tiers later.
-    if (std::optional<Block> b = allocate_disk(bytes)) {
-      auto hb = std::make_unique<HostBlock>();
-      hb->engine = this;
-      hb->block = *b;
+  for (;;) {
+    {
+      Retire r = retiring();
+      reap_locked(r);
+    }  // the staging of copies seen complete dies here, unlocked, and is freed
+    EventPtr oldest;
+    {
       auto l = lock();
-      lifetime_.add_block();
-      note_peaks_locked();
-      return hb.release();
+      reclaim_locked();
+      if (fits()) return true;
+      // Memory that copies in flight free when they complete: a snapshot's
+      // staging (only stores use it: the oldest store first), then blocks
+      // waiting on their copies.
+      if (staging_bytes_ > 0) oldest = in_flight_.oldest(static_cast<int>(Dir::kStore));
+      if (!oldest && deferred_.bytes_where([](const Block& b) {
+            return b.chunk == kPageableChunk ||
+                   (b.chunk < kRingChunk && !on_disk(b) && !from_bounce_arena(b));
+          }) > 0) {
+        oldest = deferred_.oldest_fence();
+      }
+      if (!oldest) return false;  // nothing pending can make room
     }
+    backend_->sync(oldest);
   }
+}
+
+HostBlock* Engine::allocate_host(size_t bytes, bool allow_spill, bool staging) {
+  // The host limit holds for every block of host memory, a snapshot's staging
+  // included: past it, a store first waits for the copies whose completion
+  // frees memory; then a value goes to disk (with a disk tier) or raises
+  // HostLimitError, and staging is skipped (nullptr: the copy reads the source).
+  const size_t need = host_need(bytes);
+  for (;;) {
+    if (disk_ && allow_spill && !staging) {  // a snapshot's staging never goes to disk
+      // Placement: first come stays in memory. Past the host limit, new values
+      // go to disk; nothing moves between tiers later.
+      if (std::optional<Block> b = allocate_disk(bytes)) {
+        auto hb = std::make_unique<HostBlock>();
+        hb->engine = this;
+        hb->block = *b;
+        auto l = lock();
+        lifetime_.add_block();
+        note_peaks_locked();
+        return hb.release();
+      }
+    } else {
+      size_t held = 0;
+      if (!wait_for_host_room(need, &held)) {
+        if (staging || !allow_spill) return nullptr;
+        // No disk tier: the host limit still holds (a run is refused, not killed).
+        throw HostLimitError(
+            "offcache: storing " + std::to_string(bytes) +
+            " more bytes would take host memory past the host limit of " +
+            std::to_string(disk_options_.host_limit) + " bytes (" + std::to_string(held) +
+            " in use, pinned + pageable); values stored earlier are intact. Raise "
+            "OFFCACHE_HOST_LIMIT, or set OFFCACHE_DISK_DIR to a folder on local disk for the "
+            "values past it");
+      }
+    }
+    bool retry = false;
+    HostBlock* hb = allocate_in_memory(bytes, allow_spill, staging, &retry);
+    if (!retry) return hb;
+  }
+}
+
+HostBlock* Engine::allocate_in_memory(size_t bytes, bool allow_spill, bool staging, bool* retry) {
+  std::string why;
+  std::optional<Block> block;
   for (;;) {
     EventPtr oldest;
     size_t chunk = 0;
@@ -172,7 +234,7 @@ HostBlock* Engine::allocate_host(size_t bytes, bool allow_spill, bool staging) {
       // oldest pending block's copies, then try again.
       chunk = arena_.begin_chunk(bytes, &why);
       const auto in_arena = [](const Block& b) {
-        return b.chunk < kBounceChunk && !on_disk(b) && !from_bounce_arena(b);
+        return b.chunk < kRingChunk && !on_disk(b) && !from_bounce_arena(b);
       };
       if (chunk == 0 && deferred_.bytes_where(in_arena) >= arena_.round_up(bytes)) {
         oldest = deferred_.oldest_fence();
@@ -201,12 +263,20 @@ HostBlock* Engine::allocate_host(size_t bytes, bool allow_spill, bool staging) {
   auto hb = std::make_unique<HostBlock>();
   hb->engine = this;
   auto l = lock();
+  const size_t size = align_up(std::max<size_t>(bytes, 1), 4096);  // a pageable block's
+  // The room seen before the lock was dropped may have gone to another thread meanwhile:
+  // checked again here, where the block is committed.
+  const size_t held = host_held_locked() + (block ? 0 : size);
+  if (held > disk_options_.host_limit && (block || allow_spill)) {
+    if (block) arena_.free(*block);
+    *retry = true;
+    return nullptr;
+  }
   if (block) {
     hb->block = *block;
   } else {
     if (!allow_spill) return nullptr;
     // Past the budget, or the OS refused to pin: spill to pageable memory.
-    const size_t size = align_up(std::max<size_t>(bytes, 1), 4096);
     void* p = pageable_.allocate(size, &why);
     TORCH_CHECK(p != nullptr, "offcache: out of host memory for ", bytes, " bytes: ", why);
     hb->block = Block{p, size, kPageableChunk, 0};
@@ -246,6 +316,7 @@ void Engine::note_peaks_locked() {
   s.peak_pinned_reserved_bytes = std::max(s.peak_pinned_reserved_bytes, arena_.reserved_bytes());
   s.peak_pinned_in_use_bytes = std::max(s.peak_pinned_in_use_bytes, arena_.in_use_bytes());
   s.peak_pageable_bytes = std::max(s.peak_pageable_bytes, s.pageable_bytes);
+  s.peak_host_bytes = std::max(s.peak_host_bytes, host_held_locked());
   s.peak_in_flight_bytes = std::max(s.peak_in_flight_bytes, in_flight_.bytes());
   if (disk_arena_) s.peak_disk_bytes = std::max(s.peak_disk_bytes, disk_arena_->in_use_bytes());
 }
@@ -259,7 +330,6 @@ EventPtr Engine::issue_after_reads(Dir dir, CopyStream& stream, std::vector<Even
   auto chained = std::make_shared<ChainedEvent>();
   io_->submit([this, &stream, chained, deps = std::move(deps), ops = std::move(ops),
                split = std::move(split)] {
-    backend_->prepare_io_thread();
     EventPtr done;
     try {
       done = stream.copy_after(deps, ops, split);
@@ -401,6 +471,9 @@ EngineStats Engine::stats() {
   s.pinned_registrations = c.pinned_registrations;
   s.syncs = c.syncs;
   s.event_queries = c.event_queries;
+  s.threads_prepared = c.threads_prepared;
+  s.chunks_made = c.chunks_made;
+  s.chunks_released = c.chunks_released;
   s.host_limit_bytes = disk_options_.host_limit;
   if (disk_) {
     s.disk_bytes = disk_arena_->in_use_bytes();
@@ -408,6 +481,7 @@ EngineStats Engine::stats() {
     s.disk_files = disk_->files();
   }
   s.bounce_reserved_bytes = bounce_arena_->reserved_bytes();
+  if (file_ring_ && file_ring_->chunk == kRingChunk) s.bounce_reserved_bytes += file_ring_->size;
   s.disk_write_bytes = disk_write_bytes_.load();
   s.disk_read_bytes = disk_read_bytes_.load();
   s.disk_write_seconds = static_cast<double>(disk_write_ns_.load()) * 1e-9;

@@ -41,6 +41,9 @@ struct EngineStats {
   size_t in_flight_bytes = 0, deferred_bytes = 0;
   size_t peak_pinned_reserved_bytes = 0, peak_pinned_in_use_bytes = 0;
   size_t peak_pageable_bytes = 0, peak_in_flight_bytes = 0;
+  size_t peak_host_bytes = 0;     // pinned in use + pageable, staging included: the host limit's
+  uint64_t threads_prepared = 0;  // engine threads that selected their device (prepare_thread)
+  uint64_t chunks_made = 0, chunks_released = 0;  // chunk registrations (CUDA), mmaps (host)
   size_t dedup_hits = 0, spills = 0, stores = 0, fetches = 0;
   size_t d2h_bytes = 0, h2d_bytes = 0, d2h_copies = 0, h2d_copies = 0;
   size_t snapshot_bytes = 0, snapshot_fallbacks = 0;
@@ -59,7 +62,7 @@ struct EngineStats {
   size_t host_limit_bytes = 0, disk_bytes = 0, disk_reserved_bytes = 0, peak_disk_bytes = 0;
   size_t disk_files = 0, disk_write_bytes = 0, disk_read_bytes = 0;
   size_t disk_fallbacks = 0;
-  size_t bounce_reserved_bytes = 0;  // the disk tier's pinned I/O buffers, outside the budget
+  size_t bounce_reserved_bytes = 0;  // disk I/O buffers and fetch_file's ring, outside the budget
   size_t bounce_pageable = 0;        // I/O buffers that did not fit them: pageable
   double disk_write_seconds = 0, disk_read_seconds = 0;
   // fetch_file: calls, bytes read from files, pieces served by the page cache, pieces
@@ -161,6 +164,9 @@ class Engine {
   // A one-time message when values first spill to pageable memory ("" if none).
   std::string take_spill_notice();
   const Backend& backend() const { return *backend_; }
+  // Run first by a thread the engine's owner starts for it (the one deleting a
+  // retired engine): Backend::prepare_thread.
+  void prepare_thread() { backend_->prepare_thread(); }
   bool arena_pinned() const { return backend_->chunks().pinned(); }
   size_t reserved_bytes();  // without reaping: no tensor dies in it
   bool is_arena_tensor(const at::Tensor& t) const;
@@ -207,8 +213,21 @@ class Engine {
   void note_device_access(const at::Tensor& t, const EventPtr& done, bool write);
   // A dedup hit is served only if the stored copy still holds the source's bytes.
   bool same_bytes(const at::Tensor& source, const at::Tensor& stored);  // needs mu_
-  // takes mu_; staging: a snapshot's transient buffer, whose spill is not a value's
+  // A host block for `bytes` (takes mu_), within the host limit: past it, waits for
+  // copies whose completion frees host memory, then goes to disk (a disk tier),
+  // raises HostLimitError, or returns nullptr (staging, or allow_spill=false).
+  // staging: a snapshot's transient buffer, whose spill is not a value's.
   HostBlock* allocate_host(size_t bytes, bool allow_spill, bool staging = false);
+  // allocate_host's memory block; *retry when another thread took the room meanwhile.
+  HostBlock* allocate_in_memory(size_t bytes, bool allow_spill, bool staging, bool* retry);
+  // Host memory held against the host limit: arena blocks in use and pageable ones (needs mu_).
+  size_t host_held_locked() const;
+  // The most a host block of `bytes` takes (arena- or page-rounded).
+  size_t host_need(size_t bytes) const;
+  // Waits (unlocked) for copies whose completion frees host memory until `bytes`
+  // more fit under the host limit; false when nothing pending can make room.
+  // *held: host memory held at the last look. Takes mu_.
+  bool wait_for_host_room(size_t bytes, size_t* held);
   // Past the host limit, a block of the disk arena, else nullopt (takes mu_;
   // new files are made without it; raises, naming the folder and bytes, when
   // the disk is full).
@@ -251,7 +270,7 @@ class Engine {
                                         std::vector<bool>* stored);
   at::Tensor store_to_device(const at::Tensor& source, c10::Device target);
   // A snapshot's staging memory: device memory on the producer's stream, or
-  // an arena block for host sources.
+  // an arena block for host sources (undefined past the host limit).
   at::Tensor staging_buffer(size_t bytes, c10::Device device);
 
   std::unique_ptr<Backend> backend_;
@@ -285,7 +304,7 @@ class Engine {
   DiskOptions disk_options_;
   std::unique_ptr<DiskSource> disk_;
   std::unique_ptr<Arena> disk_arena_;
-  std::unique_ptr<Arena> bounce_arena_;  // disk and file I/O buffers, outside the pinned budget
+  std::unique_ptr<Arena> bounce_arena_;  // the disk tier's I/O buffers, outside the pinned budget
   bool disk_warned_ = false;
   // Pageable disk I/O buffers kept for reuse, up to kBouncePoolBytes (few: a linear search).
   std::vector<Block> bounce_pool_;

@@ -30,14 +30,14 @@ std::optional<Block> Engine::allocate_disk(size_t bytes) {
   for (;;) {
     size_t chunk = 0;
     std::string why;
+    // Host memory in use counts snapshot staging and blocks waiting on copies:
+    // the limit holds at its peak. Memory that copies in flight are about to free
+    // is waited for first, so a value goes to disk only past the limit for good.
+    size_t held = 0;
+    if (wait_for_host_room(host_need(bytes), &held)) return std::nullopt;
     {
       auto l = lock();
       reclaim_locked();
-      // Snapshot staging is transient: it does not count towards the limit.
-      if (arena_.in_use_bytes() + stats_.pageable_bytes - staging_bytes_ + bytes <=
-          disk_options_.host_limit) {
-        return std::nullopt;
-      }
       if (!io_) {  // the I/O thread starts with the first disk block
         l.unlock();
         io_stream(io_);
@@ -79,7 +79,7 @@ HostStream& Engine::io_stream(std::unique_ptr<HostStream>& slot) {
     if (slot) return *slot;
   }
   // Made unlocked: a stream registers for fork handling, which takes its lock before ours.
-  auto io = std::make_unique<HostStream>();
+  auto io = std::make_unique<HostStream>([this] { backend_->prepare_thread(); });
   {
     auto l = lock();
     if (!slot) slot = std::move(io);  // set once; later uses follow a lock() that saw it

@@ -54,8 +54,17 @@ char* Engine::file_ring() {
     auto l = lock();
     if (file_ring_) return static_cast<char*>(file_ring_->ptr);
   }
-  char* ring = nullptr;
-  Block block = allocate_bounce(kFileRing * kDiskPiece, &ring);  // made without the lock
+  // A chunk of its own from the backend (pinned on CUDA), made without the lock: never
+  // from the bounce arena, which the disk tier may have filled, leaving the ring pageable
+  // (its copies blocking) for the engine's life. Pageable only if the OS refuses to pin.
+  const size_t size = kFileRing * kDiskPiece;
+  std::string why;
+  Block block{backend_->chunks().allocate(size, &why), size, kRingChunk, 0};
+  if (block.ptr == nullptr) {
+    auto l = lock();
+    char* ring = nullptr;
+    block = allocate_pageable_bounce_locked(size, &ring);
+  }
   auto l = lock();
   if (file_ring_) {  // another thread's came first
     free_block(block);
@@ -63,7 +72,7 @@ char* Engine::file_ring() {
   }
   file_ring_ = block;
   file_slot_reads_.resize(kFileRing);
-  return ring;
+  return static_cast<char*>(block.ptr);
 }
 
 Engine::Fetched Engine::fetch_file(const std::string& path, const std::vector<int64_t>& offsets,
@@ -142,7 +151,6 @@ Engine::Fetched Engine::fetch_file(const std::string& path, const std::vector<in
                  piece = std::move(pieces[k])] {
         if (chained->failed()) return;  // an earlier piece of this fetch failed
         try {
-          backend_->prepare_io_thread();
           const size_t s = file_next_slot_++ % kFileRing;
           char* slot = ring + s * kDiskPiece;
           if (EventPtr& previous = file_slot_reads_[s]) {

@@ -136,7 +136,10 @@ at::Tensor Engine::staging_buffer(size_t bytes, c10::Device device) {
   if (!device.is_cpu()) return at::empty({static_cast<int64_t>(bytes)}, options);
   // Host snapshots are staged in the arena: pre-faulted pages, reused, instead
   // of fresh pages (a page fault each) from malloc for every store.
+  // Undefined where the host limit leaves no room for it (after waiting for the
+  // staging of earlier stores): the caller copies from the sources instead.
   HostBlock* hb = allocate_host(bytes, /*allow_spill=*/true, /*staging=*/true);
+  if (hb == nullptr) return at::Tensor();
   return at::empty({0}, options)
       .set_(make_host_storage(hb, 0, bytes), 0, {static_cast<int64_t>(bytes)}, {1});
 }
@@ -259,19 +262,23 @@ std::vector<at::Tensor> Engine::store_to_host(const std::vector<at::Tensor>& val
                  std::chrono::steady_clock::now() < it->second.second;
           if (skip) ++stats_.snapshot_oom_skips;
         }
-        bool oom = false;
+        bool oom = false, no_room = false;
         if (!skip) {
           try {
             at::Tensor staging = staging_buffer(total, device);
-            snapshot_into(static_cast<char*>(staging.data_ptr()), group, device);
-            keepalive.push_back(std::move(staging));
-            auto l = lock();
-            stats_.snapshot_bytes += total;
+            if (staging.defined()) {
+              snapshot_into(static_cast<char*>(staging.data_ptr()), group, device);
+              keepalive.push_back(std::move(staging));
+              auto l = lock();
+              stats_.snapshot_bytes += total;
+            } else {
+              no_room = true;  // host staging would cross the host limit
+            }
           } catch (const c10::OutOfMemoryError&) {
             oom = true;
           }
         }
-        if (skip || oom) {  // the copy reads the sources; the producer waits for it below
+        if (skip || oom || no_room) {  // the copy reads the sources; the producer waits below
           direct = true;
           for (const Item& it : group) keepalive.push_back(it.dense);
           auto l = lock();
@@ -295,6 +302,11 @@ std::vector<at::Tensor> Engine::store_to_host(const std::vector<at::Tensor>& val
       CopyStream& stream = backend_->copy_stream(Dir::kStore, device);
       EventPtr done = issue(Dir::kStore, stream, {backend_->record_current(device)}, ops,
                             hold(std::move(keepalive)));
+      // A device's copy into pageable memory (a spilled block, a pageable bounce
+      // buffer) returns only once it is done: the caller waited for it.
+      const bool dst_pinned =
+          backend_->chunks().pinned() && (hb->disk() ? from_bounce_arena(bounce) : hb->pinned());
+      if (!device.is_cpu() && !dst_pinned) ++backend_->counters.syncs;
       // Without a snapshot, later work on the producer stream may not touch the
       // sources before the copy has read them.
       if (direct) backend_->current_wait(device, done);

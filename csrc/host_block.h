@@ -20,12 +20,13 @@ class Engine;
 
 constexpr uint32_t kPageableChunk = UINT32_MAX;    // Block::chunk of a spilled block
 constexpr uint32_t kBounceChunk = UINT32_MAX - 1;  // Block::chunk of a pooled disk I/O buffer
+constexpr uint32_t kRingChunk = UINT32_MAX - 2;    // Block::chunk of fetch_file's pinned ring
 constexpr uint32_t kDiskChunkBit = 1u << 30;  // Block::chunk of a disk block: its disk chunk | this
-inline bool on_disk(const Block& b) { return b.chunk < kBounceChunk && (b.chunk & kDiskChunkBit); }
+inline bool on_disk(const Block& b) { return b.chunk < kRingChunk && (b.chunk & kDiskChunkBit); }
 constexpr uint32_t kBounceArenaBit =
     1u << 29;  // Block::chunk of a disk I/O buffer in the bounce arena
 inline bool from_bounce_arena(const Block& b) {
-  return b.chunk < kBounceChunk && (b.chunk & kBounceArenaBit);
+  return b.chunk < kRingChunk && (b.chunk & kBounceArenaBit);
 }
 
 struct HostBlock {
@@ -35,7 +36,7 @@ struct HostBlock {
   std::vector<EventPtr> fences;  // copies still touching it, one entry per event
   std::atomic<size_t> refs{0};   // storages viewing the block
   bool staging = false;          // a snapshot's transient buffer
-  bool pinned() const { return block.chunk < kBounceChunk && !on_disk(block); }
+  bool pinned() const { return block.chunk < kRingChunk && !on_disk(block); }
   bool disk() const { return on_disk(block); }
   // Adds `event` once; fences that completed are dropped now and then.
   void add_fence(const EventPtr& event);

@@ -23,6 +23,7 @@ class _Stats(TypedDict):
     peak_pinned_in_use_bytes: int
     peak_pageable_bytes: int
     peak_in_flight_bytes: int
+    peak_host_bytes: int
     dedup_hits: int
     spills: int
     stores: int
@@ -60,6 +61,9 @@ class _Stats(TypedDict):
     chunk_bytes: int
     chunk_seconds: float
     event_queries: int
+    threads_prepared: int
+    chunks_made: int
+    chunks_released: int
     bounce_reserved_bytes: int
     bounce_pageable: int
     file_fetches: int

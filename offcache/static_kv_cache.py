@@ -35,7 +35,9 @@ one graph per forward; the op runs the eager update (engine bookkeeping, waits, 
 prefetch) at every call and returns copies of the layer's device buffers (one
 device-to-device copy per layer and step: graph outputs must not alias the buffers the
 engine rewrites). It is tagged ``cudagraph_unsafe``: inductor's graph partition keeps it out
-of CUDA graphs (mode "reduce-overhead") and captures the rest.
+of CUDA graphs (mode "reduce-overhead") and captures the rest; there, CUDA graph trees copy
+the op's outputs into the next partition's input buffers on every replay, a second
+device-to-device copy per layer and step.
 """
 
 from __future__ import annotations

@@ -125,6 +125,21 @@ def test_placement_first_come_stays_in_memory(engine_config, disk_dir):
     assert all(torch.equal(g, torch.full((MiB // 4,), float(i))) for i, g in enumerate(got))
 
 
+def test_with_a_disk_tier_the_host_limit_holds_at_its_peak(engine_config, disk_dir):
+    # Snapshot staging counts against the host limit: values past it go to disk, and host
+    # memory (pinned + pageable, staging included) never passes the limit, even for a moment.
+    engine_config(backend="host", pinned_limit="64KiB", host_limit="4MiB", disk_dir=disk_dir, host_copy_delay_us=20_000)
+    src = [torch.full((MiB // 4,), float(i)) for i in range(8)]
+    stored = [_engine.store([x], CPU)[0] for x in src]
+    s = offcache.stats()
+    assert s["peak_pinned_in_use_bytes"] + s["peak_pageable_bytes"] <= 4 * MiB, s["peak_pageable_bytes"]
+    assert s["peak_host_bytes"] <= 4 * MiB
+    on_disk = [_engine.is_disk_tensor(t) for t in stored]
+    assert on_disk == sorted(on_disk) and on_disk[-1] and not on_disk[0], on_disk
+    got, _ = _engine.fetch(stored, CPU)
+    assert all(torch.equal(a, b) for a, b in zip(src, got))
+
+
 def test_no_disk_dir_nothing_goes_to_disk(engine_config):
     engine_config(backend="host", pinned_limit="1MiB", host_limit=4 * MiB, disk_dir="none")
     x = torch.randn(MiB)  # 4 MiB: past the pinned budget, spilled, within the host limit
@@ -469,3 +484,44 @@ def test_disk_fetch_then_a_write_and_a_fetch_of_its_memory_neighbour_do_not_dead
     assert not worker.is_alive(), "deadlocked"
     assert torch.equal(result["got_m"], torch.arange(1000.0)) and torch.equal(result["got_b"], b)
     assert torch.equal(result["again"], torch.full((1000,), 7.0))
+
+
+def test_every_engine_thread_prepares_itself_before_its_work(engine_config, disk_dir, tmp_path):
+    # Backend.prepare_thread (on CUDA: select the engine's device, relax the capture mode) runs
+    # on each engine thread before its first task: the store and fetch copy streams, the disk
+    # tier's I/O thread and fetch_file's. Counted once per thread.
+    from tests.helpers import random_file
+
+    engine_config(backend="host", pinned_limit="1MiB", host_limit="1MiB", disk_dir=disk_dir)
+    assert offcache.stats()["threads_prepared"] == 0
+    small, big = torch.randn(1000), torch.randn(MiB)  # in memory (a copy-stream store), then on disk
+    stored = _engine.store([small], CPU) + _engine.store([big], CPU)
+    assert not _engine.is_disk_tensor(stored[0]) and _engine.is_disk_tensor(stored[1])
+    got = _engine.fetch(stored[:1], CPU)[0] + _engine.fetch(stored[1:], CPU)[0]  # fetch stream, I/O thread
+    path = tmp_path / "file.bin"
+    random_file(path, 4096)
+    _engine.fetch_file(str(path), [(0, (1024,), torch.float32)], CPU)  # fetch_file's I/O thread
+    offcache.synchronize()
+    assert torch.equal(got[0], small) and torch.equal(got[1], big)
+    assert offcache.stats()["threads_prepared"] == 4
+
+
+def test_disk_io_buffer_chunks_are_kept_not_made_and_given_back_per_store(engine_config, disk_dir):
+    # Two stores in flight at once need two of the bounce arena's chunks; once written, both
+    # stay (on CUDA a chunk costs a cudaHostRegister to make and a cudaHostUnregister to give
+    # back), so later rounds make none and give none back.
+    engine_config(backend="host", pinned_limit="1MiB", host_limit=0, disk_dir=disk_dir)
+    src = [torch.full((10 * MiB,), float(i)) for i in range(2)]  # 40 MiB each: one chunk each
+    made = []
+    for _ in range(3):
+        stored = _engine.store(src, CPU)
+        offcache.synchronize()
+        s = offcache.stats()
+        made.append(s["chunks_made"])
+        assert s["chunks_released"] == 0, s["chunks_released"]
+        got, _ = _engine.fetch(stored, CPU)
+        assert all(torch.equal(a, b) for a, b in zip(src, got))
+        del stored, got
+    assert made[0] >= 2 and made[-1] == made[0], made
+    offcache.synchronize()
+    assert offcache.empty_cache() >= 0 and offcache.stats()["chunks_released"] >= 2

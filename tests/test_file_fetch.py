@@ -274,3 +274,26 @@ def test_no_caller_waits_for_another_fetch_files_disk_reads(engine_config, tmp_p
     second.wait()
     assert torch.equal(a, torch.from_numpy(data)) and torch.equal(b, torch.from_numpy(data[1:]))
     assert torch.equal(x, torch.arange(8.0))
+
+
+def test_the_ring_is_made_from_the_backends_chunks_while_the_disk_tier_fills_its_arena(engine_config, tmp_path):
+    # The disk tier's bounce arena (4 chunks of 64 MiB) is full: four 60 MiB stores wait to be
+    # written behind a disk fetch whose copy the I/O thread runs slowed. fetch_file's ring, made
+    # now, is a chunk of its own from the backend (pinned on CUDA), not a pageable buffer for
+    # the engine's life.
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    engine_config(backend="host", pinned_limit="1MiB", host_limit=0, disk_dir=disk, host_copy_delay_us=3_000_000)
+    (small,) = _engine.store([torch.randn(1000)], CPU)
+    offcache.synchronize()
+    fetched, ticket = _engine.fetch([small], CPU, wait=False)  # its copy holds the I/O thread ~3 s
+    big = [torch.full((15 * MiB,), float(i)) for i in range(4)]
+    stored = [_engine.store([x], CPU)[0] for x in big]
+    path = tmp_path / "file.bin"
+    data = random_file(path, 2 * MiB)
+    (out,), file_ticket = _engine.fetch_file(str(path), [(0, (2 * MiB,), torch.uint8)], CPU)
+    assert offcache.stats()["bounce_pageable"] == 0
+    assert out.numpy().tobytes() == data.tobytes()
+    ticket.wait()
+    got, _ = _engine.fetch(stored, CPU)
+    assert all(torch.equal(a, b) for a, b in zip(big, got))

@@ -696,3 +696,133 @@ def test_a_copy_stream_follows_a_disk_fetch_in_flight_without_a_host_wait(engine
     assert torch.equal(back.cpu(), x)  # the fetch read the block before copy_into wrote it
     _engine.wait_stored(stored)
     assert bool((stored == 3.0).all())
+
+
+# --- engine threads: device selection, capture mode; host waits; bounce chunks (issue 24) ------
+
+_PRIMARY_CONTEXT_SCRIPT = r"""
+import ctypes, gc, os, sys, time
+import torch
+import offcache
+from offcache import _engine
+
+cuda = ctypes.CDLL("libcuda.so.1")
+
+def active(ordinal):
+    # Whether GPU `ordinal`'s primary context exists: asked of the driver, which makes none.
+    assert cuda.cuInit(0) == 0
+    dev, flags, on = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+    assert cuda.cuDeviceGet(ctypes.byref(dev), ordinal) == 0
+    assert cuda.cuDevicePrimaryCtxGetState(dev, ctypes.byref(flags), ctypes.byref(on)) == 0
+    return bool(on.value)
+
+CPU, DEV = torch.device("cpu"), torch.device("cuda:1")
+torch.cuda.set_device(1)  # a torchrun rank's first step
+x = torch.randn(4 << 20, device=DEV)
+small = torch.randn(1024, device=DEV)
+torch.cuda.synchronize()
+print("BASELINE", active(0))
+offcache.configure(backend="cuda", pinned_limit="1MiB", host_limit="1MiB", disk_dir=sys.argv[1])
+(on_disk,) = _engine.store([x], CPU)       # D2H into a bounce buffer; the I/O thread waits, writes
+(in_memory,) = _engine.store([small], CPU)  # the pinned arena
+(cpu_copy,), _ = _engine.fetch([in_memory], CPU)  # a host copy stream waits for the D2H's event
+(back,), _ = _engine.fetch([on_disk], DEV)  # the I/O thread reads, then issues the H2D copy
+path = os.path.join(sys.argv[1], "..", "file.bin")
+with open(path, "wb") as f:
+    f.write(os.urandom(3 << 20))
+(out,), ticket = _engine.fetch_file(path, [(0, (3 << 20,), torch.uint8)], DEV)  # fetch_file's thread
+ticket.wait()
+offcache.synchronize()
+torch.cuda.synchronize()
+ok = torch.equal(back, x) and torch.equal(cpu_copy, small.cpu())
+ok = ok and out.cpu().numpy().tobytes() == open(path, "rb").read()
+offcache.configure(backend="cuda")  # the old engine retires; its last block's death deletes it
+del on_disk, in_memory, cpu_copy, back, out
+gc.collect()
+while offcache.stats()["retired_engines"]:  # deleted on a thread of its own
+    time.sleep(0.01)
+print("OK", ok)
+print("AFTER", active(0))
+"""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_engine_threads_make_no_context_on_gpu_0_for_a_rank_on_gpu_1(tmp_path):
+    # Every engine thread (host copy-stream workers, the disk tier's and fetch_file's I/O
+    # threads, the thread deleting a retired engine) selects the engine's device before its
+    # first CUDA call: none makes a primary context on GPU 0 (~0.5 GiB per torchrun rank).
+    import subprocess
+    import sys
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-c", _PRIMARY_CONTEXT_SCRIPT, str(disk)], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if " " in line)
+    if lines.get("BASELINE") != "False":
+        pytest.skip("torch itself made a context on GPU 0 in this setup")
+    assert lines["OK"] == "True", proc.stdout
+    assert lines["AFTER"] == "False", "an engine thread made a primary context on GPU 0"
+
+
+def test_a_disk_store_in_flight_does_not_invalidate_a_graph_capture(engine_config, tmp_path):
+    # The I/O thread waits for each store's D2H copy (cudaEventSynchronize) between disk
+    # writes, while this thread captures a graph in global mode (the default): engine threads
+    # relax their own capture mode at their start, so their calls do not invalidate it.
+    import time
+
+    engine_config(backend="cuda", pinned_limit="1MiB", host_limit=0, disk_dir=tmp_path)
+    xs = [torch.full((8 << 20,), float(i), device=DEV) for i in range(8)]  # 8 x 32 MiB to disk
+    stored = []
+    for x in xs:
+        torch.cuda._sleep(50_000_000)  # the producer is busy: the I/O thread's waits are queued
+        stored += _engine.store([x], CPU)
+    static_in = torch.ones(1024, device=DEV)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_out = static_in * 2
+        time.sleep(0.5)  # the capture stays open while the I/O thread works through its queue
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.all(static_out == 2)
+    back, _ = _engine.fetch(stored, DEV)
+    assert all(torch.equal(a, b) for a, b in zip(xs, back))
+
+
+def test_a_d2h_copy_into_pageable_memory_counts_as_a_host_wait(engine_config, tmp_path):
+    # cudaMemcpyAsync into pageable memory returns only once the copy is done: the caller
+    # waited, and `syncs` says so (a spilled value; a disk value past a bounce chunk's 64 MiB).
+    engine_config(backend="cuda", pinned_limit="1MiB", host_limit="1GiB", disk_dir="none")
+    x = torch.randn(1 << 20, device=DEV)  # 4 MiB: past the 1 MiB budget, spilled
+    before = offcache.stats()["syncs"]
+    (s,) = _engine.store([x], CPU)
+    assert not s.is_pinned() and offcache.stats()["syncs"] >= before + 1
+    engine_config(backend="cuda", pinned_limit="1MiB", host_limit=0, disk_dir=tmp_path)
+    big = torch.randn(20 << 20, device=DEV)  # 80 MiB: a pageable bounce buffer
+    before = offcache.stats()
+    (d,) = _engine.store([big], CPU)
+    after = offcache.stats()
+    assert after["bounce_pageable"] > before["bounce_pageable"] and after["syncs"] >= before["syncs"] + 1
+    (back,), _ = _engine.fetch([d], DEV)
+    assert torch.equal(back, big)
+
+
+def test_disk_tier_bounce_chunks_are_registered_once(engine_config, tmp_path):
+    # Two 40 MiB stores in flight take two bounce chunks; later rounds register none again
+    # and unregister none (a cudaHostRegister costs ~ms per 64 MiB), with fetch_file's ring held.
+    engine_config(backend="cuda", pinned_limit="1MiB", host_limit=0, disk_dir=tmp_path)
+    path = tmp_path / "w.bin"
+    random_file(path, 1 << 20)
+    _engine.fetch_file(path, [(0, [1 << 20], torch.uint8)], DEV)
+    xs = [torch.full((10 << 20,), float(i), device=DEV) for i in range(2)]
+    made = []
+    for _ in range(3):
+        stored = _engine.store(xs, CPU)
+        offcache.synchronize()
+        s = offcache.stats()
+        made.append((s["chunks_made"], s["pinned_registrations"]))
+        assert s["chunks_released"] == 0
+        del stored
+    assert made[-1] == made[0], made

@@ -237,6 +237,27 @@ def test_none_raises_at_the_host_limit_and_keeps_every_earlier_value(engine_conf
     assert stored and all(torch.equal(cache.fetch(i)["x"], src[i]) for i in stored)
 
 
+def test_the_host_limit_holds_at_its_peak_snapshot_staging_included(engine_config):
+    # Each update stages a snapshot of its CPU source, kept in flight by slowed copies. The
+    # staging counts against the host limit like the values: pinned + pageable never passes it,
+    # right after update() nor at its peak; a store that finds no room for its staging waits for
+    # earlier staging, then copies from its source. Nothing is lost: every value is intact.
+    engine_config(backend="host", pinned_limit="64KiB", host_limit="4MiB", disk_dir="none", host_copy_delay_us=20_000)
+    cache = IntermediatesCache.empty(5, "cpu")
+    src = [torch.full((MiB // 4,), float(i)) for i in range(5)]
+    for i, x in enumerate(src[:4]):
+        cache.update(i, {"x": x})
+        s = offcache.stats()
+        assert s["pinned_in_use_bytes"] + s["pageable_bytes"] <= 4 * MiB, (i, s["pageable_bytes"])
+    s = offcache.stats()
+    assert s["peak_pinned_in_use_bytes"] + s["peak_pageable_bytes"] <= 4 * MiB, s["peak_pageable_bytes"]
+    assert 4 * MiB - 64 * 1024 <= s["peak_host_bytes"] <= 4 * MiB, s["peak_host_bytes"]
+    with pytest.raises(offcache.HostLimitError):  # a fifth value does not fit, staging or not
+        cache.update(4, {"x": src[4]})
+    assert offcache.stats()["peak_host_bytes"] <= 4 * MiB
+    assert all(torch.equal(cache.fetch(i)["x"], src[i]) for i in range(4))
+
+
 def test_auto_on_tmpfs_falls_back_to_the_error_saying_why(engine_config, monkeypatch):
     shm = "/dev/shm"
     if _engine.filesystem_type(shm) != "tmpfs" or not os.access(shm, os.W_OK):

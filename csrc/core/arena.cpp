@@ -160,6 +160,7 @@ void Arena::trim_spares() {
       empty.push_back(i);
     }
   }
+  if (options_.keep_empty_chunks) return;
   std::sort(empty.begin(), empty.end(),
             [this](uint32_t a, uint32_t b) { return chunks_[a].size > chunks_[b].size; });
   size_t kept = 0;

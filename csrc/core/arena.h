@@ -43,6 +43,9 @@ struct ArenaOptions {
   size_t growth_divisor = 16;
   size_t limit = SIZE_MAX;
   size_t alignment = 256;
+  // Empty chunks stay until release_empty_chunks() (a small arena of I/O
+  // buffers whose chunks cost a registration each to make and give back).
+  bool keep_empty_chunks = false;
 };
 
 class Arena {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <new>
+#include <utility>
 #include <vector>
 
 namespace offcache {
@@ -23,7 +24,7 @@ std::once_flag g_atfork_once;
 
 }  // namespace
 
-HostStream::HostStream() {
+HostStream::HostStream(std::function<void()> prepare) : prepare_(std::move(prepare)) {
   std::call_once(g_atfork_once, [] {
     pthread_atfork(&HostStream::before_fork, &HostStream::after_fork_parent,
                    &HostStream::after_fork_child);
@@ -113,6 +114,7 @@ void HostStream::run() {
     if (failed && !task.always) continue;  // after a failure only events complete
     std::string what;
     try {
+      if (prepare_ && !task.always) prepare_();
       task.fn();
     } catch (const std::exception& e) {
       what = e.what();
@@ -130,15 +132,41 @@ void HostStream::run() {
 
 void HostStream::before_fork() {
   registry_mu().lock();
-  // Drain first (a queued task may wait on another stream's event), then hold
-  // every stream idle with its lock taken, so no task is half-run at fork().
-  for (HostStream* s : registry()) s->synchronize();
-  for (HostStream* s : registry()) {
-    std::unique_lock<std::mutex> lock(s->mu_);
-    s->paused_ = true;
-    s->idle_cv_.wait(lock, [s] { return !s->running_; });
-    lock.release();  // stays locked until after fork()
+  const std::vector<HostStream*>& streams = registry();
+  for (;;) {
+    // Drain first (a queued task may wait on another stream's event). Then stop
+    // every worker taking new tasks, and only then wait for each to finish the
+    // task it runs: one stream paused while another still ran could leave that
+    // one's task waiting forever for an event queued behind the pause (an I/O
+    // task on a copy stream's, say).
+    for (HostStream* s : streams) s->synchronize();
+    for (HostStream* s : streams) {
+      std::lock_guard<std::mutex> lock(s->mu_);
+      s->paused_ = true;
+    }
+    bool idle = true;
+    for (HostStream* s : streams) {
+      std::unique_lock<std::mutex> lock(s->mu_);
+      // A task still running after a while may wait for a paused stream (work
+      // submitted since the drain): resume all, drain again, and try again.
+      if (!s->idle_cv_.wait_for(lock, std::chrono::milliseconds(10),
+                                [s] { return !s->running_; })) {
+        idle = false;
+        break;
+      }
+    }
+    if (idle) break;
+    for (HostStream* s : streams) {
+      {
+        std::lock_guard<std::mutex> lock(s->mu_);
+        s->paused_ = false;
+      }
+      s->cv_.notify_all();
+    }
   }
+  // Every worker is idle and paused (it takes no task while paused_): hold each
+  // stream's lock until after fork(), so no task is half-run in the child.
+  for (HostStream* s : streams) s->mu_.lock();
 }
 
 void HostStream::after_fork_parent() {

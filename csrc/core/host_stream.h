@@ -21,7 +21,11 @@ namespace offcache {
 
 class HostStream {
  public:
-  HostStream();
+  // prepare: run by the worker before each task that is not an event's completion,
+  // on the worker's own thread (an owner selects its device and capture mode
+  // there; it makes repeats cheap). Whatever it throws fails that task, as the
+  // task's own error would.
+  explicit HostStream(std::function<void()> prepare = nullptr);
   ~HostStream();
   HostStream(const HostStream&) = delete;
   HostStream& operator=(const HostStream&) = delete;
@@ -62,6 +66,7 @@ class HostStream {
   bool running_ = false;  // the worker is running a task (outside mu_)
   bool paused_ = false;   // fork in progress: the worker takes no new task
   std::unique_ptr<std::thread> worker_;
+  std::function<void()> prepare_;  // set once, before the worker starts
 };
 
 }  // namespace offcache
