@@ -50,7 +50,13 @@ def test_an_engine_without_a_record_is_refused_under_another_torch():
     assert "--no-build-isolation" in last
 
 
-@pytest.mark.parametrize("running", ["2.14.1+cu130", "2.13.0+cu130", "2.15.0+cu132"])
+def _other_torches(built: str) -> list[str]:
+    """A patch release, the minor release before and the one after the torch the engine was built against."""
+    major, minor, patch = (int(x) for x in re.match(r"(\d+)\.(\d+)\.(\d+)", built).groups())
+    return [f"{major}.{minor}.{patch + 1}+cu130", f"{major}.{minor - 1}.0+cu130", f"{major}.{minor + 1}.0+cu132"]
+
+
+@pytest.mark.parametrize("running", _other_torches(BUILT))
 def test_the_build_record_refuses_another_torch_before_the_engine_loads(tmp_path, running):
     """Patch releases included: PyTorch keeps no C++ ABI between releases (a real 2.13 run hit an
     undefined c10 symbol), so any other version is refused, with both named, before dlopen."""
