@@ -13,6 +13,9 @@ TORCH=$("$VENV/bin/python" -c "import torch; print(torch.__version__)")
 TF=$("$VENV/bin/python" -c "import transformers; print(transformers.__version__)")
 TREE="$CACHE/tree-torch$TORCH"
 cd "$TREE"
+# offcache is not installed in this environment: the tree's copy is imported, by pytest and by the
+# interpreters the tests start (cwd a temporary folder).
+export PYTHONPATH="$TREE${PYTHONPATH:+:$PYTHONPATH}"
 if [ -e "${CUDA_HOME:-/usr/local/cuda}/include/cuda_runtime_api.h" ]; then export OFFCACHE_EXPECT_CUDA=1; fi
 echo "== pytest (newest: torch $TORCH, transformers $TF, no llm-compressor, no compressed-tensors) in $TREE"
 start=$SECONDS
