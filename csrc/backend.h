@@ -90,17 +90,13 @@ class CopyStream {
   virtual void copy(const std::vector<CopyOp>& ops) = 0;
   // timed: the event can measure elapsed time (only while tracing or timing).
   virtual EventPtr record(bool timed) = 0;
-  // Copies between buffers on the stream's own device, after the work before
-  // it: one batched kernel on a GPU, a memcpy loop on the host worker. Not a
-  // copy call: it is how one span copy becomes independent tensors.
-  virtual void split(const std::vector<CopyOp>& ops) = 0;
-  // After `deps`, `ops` then `split`, issued by an engine I/O thread once the
+  // After `deps`, `ops`, issued by an engine I/O thread once the
   // reads they copy from are done; returns their completion. A CUDA stream
   // queues them. A host stream runs them on the calling thread (null: done):
   // queued, they could sit behind a host stream's blocking wait for an event
   // that itself follows them, and deadlock.
-  virtual EventPtr copy_after(const std::vector<EventPtr>& deps, const std::vector<CopyOp>& ops,
-                              const std::vector<CopyOp>& split) = 0;
+  virtual EventPtr copy_after(const std::vector<EventPtr>& deps,
+                              const std::vector<CopyOp>& ops) = 0;
   // Runs `fn` now with this stream as the current one: device memory that fn
   // allocates comes from this stream's pool (on the host: just runs fn).
   virtual void enter(const std::function<void()>& fn) = 0;

@@ -85,15 +85,29 @@ class CudaEvent final : public Event {
     ++counters_->events_recorded;
   }
   bool query() override {
+    // Relaxed: a query from a thread that captures a graph (or while another thread captures
+    // in global mode) would otherwise invalidate that capture.
+    c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
     const cudaError_t err = cudaEventQuery(event_);
     if (err == cudaErrorNotReady) {
       (void)cudaGetLastError();
       return false;
     }
+    if (err == cudaErrorStreamCaptureUnsupported) {
+      // A capture forbids the query all the same: not sticky, the context is not broken;
+      // the ledger asks again later instead of taking it for broken and leaking what it holds.
+      (void)cudaGetLastError();
+      throw EventUnknown(std::string("offcache: CUDA call cudaEventQuery refused during a graph "
+                                     "capture: ") +
+                         cudaGetErrorName(err));
+    }
     OFFCACHE_CUDA_CHECK(err);
     return true;
   }
-  void wait() override { OFFCACHE_CUDA_CHECK(cudaEventSynchronize(event_)); }
+  void wait() override {
+    c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);  // as query()
+    OFFCACHE_CUDA_CHECK(cudaEventSynchronize(event_));
+  }
   void wait_current(int device) override {
     if (device < 0) return wait();
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
@@ -191,26 +205,9 @@ class CudaCopyStream final : public CopyStream {
     event->record(stream_);
     return event;
   }
-  void split(const std::vector<CopyOp>& ops) override {
-    // One fused multi-tensor kernel on this stream; the byte views own nothing.
-    const auto bytes = at::TensorOptions().dtype(at::kByte).device(c10::kCUDA, device_);
-    std::vector<at::Tensor> dst, src;
-    for (const auto& op : ops) {
-      const auto n = static_cast<int64_t>(op.bytes);
-      dst.push_back(
-          at::for_blob(op.dst, {n}).options(bytes).target_device(bytes.device()).make_tensor());
-      src.push_back(at::for_blob(const_cast<void*>(op.src), {n})
-                        .options(bytes)
-                        .target_device(bytes.device())
-                        .make_tensor());
-    }
-    enter([&] { at::_foreach_copy_(dst, src); });
-  }
-  EventPtr copy_after(const std::vector<EventPtr>& deps, const std::vector<CopyOp>& ops,
-                      const std::vector<CopyOp>& split) override {
+  EventPtr copy_after(const std::vector<EventPtr>& deps, const std::vector<CopyOp>& ops) override {
     for (const auto& dep : deps) wait(dep);  // GPU events: queued; host events: done by now
     copy(ops);
-    if (!split.empty()) this->split(split);
     return record(false);
   }
   void enter(const std::function<void()>& fn) override {

@@ -62,10 +62,6 @@ void run_copies(const std::vector<CopyOp>& ops, int64_t delay_us) {
   }
 }
 
-void run_split(const std::vector<CopyOp>& ops) {
-  for (const auto& op : ops) std::memcpy(op.dst, op.src, op.bytes);
-}
-
 }  // namespace
 
 void HostCopyStream::copy(const std::vector<CopyOp>& ops) {
@@ -88,13 +84,8 @@ EventPtr HostCopyStream::record(bool) {
   return stream_.record();
 }
 
-void HostCopyStream::split(const std::vector<CopyOp>& ops) {
-  stream_.submit([ops] { run_split(ops); });
-}
-
 EventPtr HostCopyStream::copy_after(const std::vector<EventPtr>& deps,
-                                    const std::vector<CopyOp>& ops,
-                                    const std::vector<CopyOp>& split) {
+                                    const std::vector<CopyOp>& ops) {
   for (const auto& dep : deps) {
     if (dep == nullptr || dep->query()) continue;
     ++counters_.stream_waits;
@@ -102,7 +93,6 @@ EventPtr HostCopyStream::copy_after(const std::vector<EventPtr>& deps,
   }
   counters_.copy_calls += ops.size();
   run_copies(ops, copy_delay_us_);
-  run_split(split);
   return nullptr;
 }
 

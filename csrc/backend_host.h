@@ -21,9 +21,7 @@ class HostCopyStream final : public CopyStream {
   void wait(const EventPtr& event) override;
   void copy(const std::vector<CopyOp>& ops) override;
   EventPtr record(bool timed) override;
-  void split(const std::vector<CopyOp>& ops) override;
-  EventPtr copy_after(const std::vector<EventPtr>& deps, const std::vector<CopyOp>& ops,
-                      const std::vector<CopyOp>& split) override;
+  EventPtr copy_after(const std::vector<EventPtr>& deps, const std::vector<CopyOp>& ops) override;
   void enter(const std::function<void()>& fn) override { fn(); }
   void synchronize_noexcept() noexcept override;
   // Tests: the next copy call queues its copies, then fails (an enqueue error).

@@ -3,6 +3,7 @@
 
 #include "backend_host.h"
 #include "engine.h"
+#include "engine_detail.h"
 
 #ifdef OFFCACHE_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -83,6 +84,8 @@ py::dict stats_dict() {
   OFFCACHE_FIELD(spills);
   OFFCACHE_FIELD(stores);
   OFFCACHE_FIELD(fetches);
+  OFFCACHE_FIELD(output_allocations);
+  OFFCACHE_FIELD(handovers);
   OFFCACHE_FIELD(d2h_bytes);
   OFFCACHE_FIELD(h2d_bytes);
   OFFCACHE_FIELD(d2h_copies);
@@ -267,6 +270,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     const offcache::HostBlock* hb = offcache::host_block_of(t);
     return hb != nullptr && hb->disk();
   });
+  m.def("allocation_of", &offcache::detail::allocation_of);
   m.def("engine_created", &offcache::global_engine_created);
   m.def("configure", &offcache::configure_global_engine, py::arg("backend"),
         py::arg("pinned_limit"), py::arg("min_chunk"), py::arg("max_in_flight"),

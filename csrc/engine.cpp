@@ -322,17 +322,15 @@ void Engine::note_peaks_locked() {
 }
 
 EventPtr Engine::issue_after_reads(Dir dir, CopyStream& stream, std::vector<EventPtr> deps,
-                                   std::vector<CopyOp> ops, HeldTensors held,
-                                   std::vector<CopyOp> split) {
+                                   std::vector<CopyOp> ops, HeldTensors held) {
   size_t bytes = 0;
   for (const auto& op : ops) bytes += op.total();
   const size_t copies = ops.size();
   auto chained = std::make_shared<ChainedEvent>();
-  io_->submit([this, &stream, chained, deps = std::move(deps), ops = std::move(ops),
-               split = std::move(split)] {
+  io_->submit([this, &stream, chained, deps = std::move(deps), ops = std::move(ops)] {
     EventPtr done;
     try {
-      done = stream.copy_after(deps, ops, split);
+      done = stream.copy_after(deps, ops);
     } catch (const std::exception& e) {
       stream.synchronize_noexcept();  // what was queued lands before the chain completes
       chained->fail(std::string("issuing a disk-tier fetch: ") + e.what());

@@ -45,6 +45,10 @@ struct EngineStats {
   uint64_t threads_prepared = 0;  // engine threads that selected their device (prepare_thread)
   uint64_t chunks_made = 0, chunks_released = 0;  // chunk registrations (CUDA), mmaps (host)
   size_t dedup_hits = 0, spills = 0, stores = 0, fetches = 0;
+  // Memory the fetches allocated for their outputs (one per value of 1 MiB and more, one per
+  // packed span of smaller values, whose outputs share it), and the outputs handed to the
+  // consumer's stream (on CUDA each is one recordStream on that memory): per span, not per value.
+  size_t output_allocations = 0, handovers = 0;
   size_t d2h_bytes = 0, h2d_bytes = 0, d2h_copies = 0, h2d_copies = 0;
   size_t snapshot_bytes = 0, snapshot_fallbacks = 0;
   size_t snapshot_oom_skips = 0;  // stores that skipped staging after a recent device OOM
@@ -249,16 +253,14 @@ class Engine {
   char* file_ring();
   void free_block(const Block& block);  // needs mu_
   void reclaim_locked();
-  // Issues one batch of copies on `stream` after `deps`, then `split` (fetch's
-  // span into independent tensors); returns their completion. `held` lives
-  // until then (in the ledger).
+  // Issues one batch of copies on `stream` after `deps`; returns their completion.
+  // `held` lives until then (in the ledger).
   EventPtr issue(Dir dir, CopyStream& stream, const std::vector<EventPtr>& deps,
-                 const std::vector<CopyOp>& ops, HeldTensors held,
-                 const std::vector<CopyOp>& split = {});
+                 const std::vector<CopyOp>& ops, HeldTensors held);
   // issue(), but by the I/O thread once the reads queued on io_ before it are done;
   // returns a ChainedEvent at once.
   EventPtr issue_after_reads(Dir dir, CopyStream& stream, std::vector<EventPtr> deps,
-                             std::vector<CopyOp> ops, HeldTensors held, std::vector<CopyOp> split);
+                             std::vector<CopyOp> ops, HeldTensors held);
   // Lists a batch issued on `stream` as in flight, then reaps (under r's lock).
   void track_locked(Retire& r, EventPtr start, EventPtr done, Dir dir, size_t bytes, size_t copies,
                     HeldTensors held, const void* stream, bool bounded);

@@ -83,6 +83,36 @@ inline at::Tensor empty_like_on(const at::Tensor& like, c10::Device device) {
                            like.options().device(device).requires_grad(false));
 }
 
+// What the outputs of a packed span share: the span's allocation (a fetch's device or host
+// memory for a packed segment), alive while any of them is. Each output's storage holds one
+// SpanRef as its DataPtr context.
+struct SpanRef {
+  at::Tensor span;
+};
+inline void release_span_ref(void* ref) { delete static_cast<SpanRef*>(ref); }
+
+// The allocation `t`'s memory belongs to: the span of a packed output, else `t` itself.
+inline at::Tensor allocation_of(const at::Tensor& t) {
+  if (!t.has_storage()) return t;
+  auto* ref = t.storage().data_ptr().cast_context<SpanRef>(&release_span_ref);
+  return ref != nullptr ? ref->span : t;
+}
+
+// A packed value's output inside `span`: its own storage over `p`, laid out like the dense
+// tensor `like`. The values of one span cost one allocation and one hand-over between them,
+// not one each. The storage is resizable with the span's allocator: grown, it moves to memory
+// of its own, as any tensor's would.
+inline at::Tensor output_in(const at::Tensor& span, void* p, const at::Tensor& like) {
+  return at::for_blob(p, like.sizes())
+      .strides(like.strides())
+      .context(new SpanRef{span}, &release_span_ref)
+      .options(like.options().device(span.device()).requires_grad(false))
+      .target_device(span.device())
+      .resizeable_storage()
+      .allocator(span.storage().allocator())
+      .make_tensor();
+}
+
 // The one set of rules for what can be stored, worded as offcache/tree.py's
 // check_tensor words them (which adds the batch and the value).
 inline void check_storable(const at::Tensor& t) {

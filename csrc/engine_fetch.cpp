@@ -1,6 +1,7 @@
 // Engine::fetch: copies from the arena (or anywhere) into independent tensors
 // on the consumer's device. Values packed in one host block move as one span
-// copy into a staging buffer, then one batched split on the copy stream.
+// copy into one allocation, inside which each value's output is a storage of
+// its own (detail::output_in): one allocation and one hand-over per span.
 #include <algorithm>
 
 #include "engine.h"
@@ -83,7 +84,7 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
 
   std::vector<EventPtr> done_events;
   std::vector<HeldTensors> held;   // each group's, for the caller's ticket
-  std::vector<at::Tensor> handed;  // device outputs handed over to the consumer's stream
+  std::vector<at::Tensor> handed;  // device allocations handed over to the consumer's stream
   // Host memory last: its group may be issued by the I/O thread (disk blocks), so its
   // event, then the whole fetch's, is a ChainedEvent that no earlier group waits on.
   std::stable_partition(source_devices.begin(), source_devices.end(),
@@ -139,7 +140,7 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
     const bool on_stream = from.is_cpu() && !device.is_cpu();
     std::vector<at::Tensor> keepalive, queued;
     std::vector<at::Tensor>& made = on_stream ? queued : keepalive;
-    std::vector<CopyOp> split;
+    std::vector<at::Tensor> allocations;  // what holds the outputs' memory
     std::vector<EventPtr> deps;
     std::vector<HostBlock*> blocks;
     const auto bytes = at::TensorOptions().dtype(at::kByte).device(device);
@@ -153,17 +154,18 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
           ops.push_back(
               CopyOp{o.data_ptr(), sources[i].dense.data_ptr(), sources[i].dense.nbytes()});
           out[i] = o;
+          allocations.push_back(o);
         } else {
-          at::Tensor staging = at::empty({static_cast<int64_t>(seg.length)}, bytes);
-          ops.push_back(CopyOp{staging.data_ptr(), seg.begin, seg.length});
-          const char* base = static_cast<const char*>(staging.data_ptr());
+          // One allocation for the span: its values' outputs are storages inside it.
+          at::Tensor span = at::empty({static_cast<int64_t>(seg.length)}, bytes);
+          ops.push_back(CopyOp{span.data_ptr(), seg.begin, seg.length});
+          char* base = static_cast<char*>(span.data_ptr());
           for (size_t i : seg.items) {
             const auto* p = static_cast<const char*>(sources[i].dense.data_ptr());
-            at::Tensor o = empty_like_on(sources[i].dense, device);
-            split.push_back(CopyOp{o.data_ptr(), base + (p - seg.begin), o.nbytes()});
-            out[i] = o;
+            out[i] = output_in(span, base + (p - seg.begin), sources[i].dense);
           }
-          made.push_back(std::move(staging));
+          allocations.push_back(span);
+          made.push_back(std::move(span));
         }
         if (seg.block && std::find(blocks.begin(), blocks.end(), seg.block) == blocks.end()) {
           blocks.push_back(seg.block);
@@ -219,20 +221,19 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
     std::vector<at::Tensor> until_issued;
     if (bounces.empty()) until_issued.swap(queued);
     held.push_back(hold(std::move(keepalive), std::move(queued)));
-    EventPtr done = bounces.empty() ? issue(dir, stream, deps, ops, held.back(), split)
-                                    : issue_after_reads(dir, stream, deps, ops, held.back(), split);
+    EventPtr done = bounces.empty() ? issue(dir, stream, deps, ops, held.back())
+                                    : issue_after_reads(dir, stream, deps, ops, held.back());
     {
       auto l = lock();
       ++stats_.fetches;
+      stats_.output_allocations += allocations.size();
+      if (!device.is_cpu()) stats_.handovers += allocations.size();
       for (const Block& b : bounces) deferred_.push(b, {done});
       for (HostBlock* hb : blocks) hb->add_fence(done);
     }
     if (!device.is_cpu()) {
-      for (size_t i = 0; i < n; ++i) {
-        if (sources[i].dense.defined() && sources[i].dense.device() == from)
-          backend_->hand_over(out[i], device);
-        handed.push_back(out[i]);
-      }
+      for (const at::Tensor& a : allocations) backend_->hand_over(a, device);
+      handed.insert(handed.end(), allocations.begin(), allocations.end());
     }
     // No snapshot is taken of a GPU source: later work on its stream must not
     // modify it before the copy has read it.

@@ -212,6 +212,8 @@ Engine::Fetched Engine::fetch_file(const std::string& path, const std::vector<in
                  /*bounded=*/false);
     ++stats_.fetches;
     ++stats_.file_fetches;
+    stats_.output_allocations += out.size();
+    if (!device.is_cpu()) stats_.handovers += out.size();
   }
   if (!device.is_cpu()) {
     for (const at::Tensor& t : out) backend_->hand_over(t, device);

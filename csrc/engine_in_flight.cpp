@@ -103,8 +103,7 @@ void Engine::throttle(size_t incoming, Dir dir) {
 }
 
 EventPtr Engine::issue(Dir dir, CopyStream& stream, const std::vector<EventPtr>& deps,
-                       const std::vector<CopyOp>& ops, HeldTensors held,
-                       const std::vector<CopyOp>& split) {
+                       const std::vector<CopyOp>& ops, HeldTensors held) {
   size_t bytes = 0;
   for (const auto& op : ops) bytes += op.total();
   bool timed;
@@ -122,7 +121,6 @@ EventPtr Engine::issue(Dir dir, CopyStream& stream, const std::vector<EventPtr>&
     }
     if (timed) start = stream.record(true);
     stream.copy(ops);
-    if (!split.empty()) stream.split(split);
     done = stream.record(timed);
   } catch (...) {
     // Copies may already be queued that read or write `held` and the

@@ -115,6 +115,7 @@ __all__ = [
     "is_disk_tensor",
     "is_offcache_tensor",
     "parse_size",
+    "record_stream",
     "set_pinned_limit",
     "set_timing",
     "settings",
@@ -711,6 +712,13 @@ def wait_stored(t: Tensor) -> None:
 def is_arena_tensor(t: Tensor) -> bool:
     """True for a stored tensor in the pinned arena of the current engine."""
     return _C.is_arena_tensor(t)
+
+
+def record_stream(t: Tensor, stream: torch.Stream) -> None:
+    """``t.record_stream(stream)`` for a fetched tensor: the allocation it lives in is kept from reuse
+    until `stream`'s work queued so far is done. A fetched value under 1 MiB is a storage inside one
+    allocation shared with the values fetched with it, which ``Tensor.record_stream`` does not reach."""
+    _C.allocation_of(t).record_stream(stream)
 
 
 def is_disk_tensor(t: Tensor) -> bool:

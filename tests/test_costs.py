@@ -63,6 +63,42 @@ def test_fetch_of_many_small_tensors_from_one_block(host_engine, n):
     assert all(torch.equal(b, torch.full((32,), float(i))) for i, b in enumerate(back))
 
 
+@pytest.mark.parametrize("n", [2, 1000])
+def test_a_packed_fetch_costs_one_allocation_not_one_per_value(host_engine, n):
+    # Per-output allocations (and on CUDA a recordStream each, then an event each when they die)
+    # cost 2-4 us per tensor: the outputs of a span share one allocation, each a storage of its own.
+    stored = _engine.store([torch.full((32,), float(i)) for i in range(n)], CPU)
+    offcache.synchronize()
+    before = offcache.stats()
+    back, _ = _engine.fetch(stored, CPU, True)
+    after = offcache.stats()
+    assert after["output_allocations"] - before["output_allocations"] == 1
+    assert after["handovers"] == before["handovers"]  # a CPU consumer: nothing to hand over
+    ptrs = {b.untyped_storage().data_ptr() for b in back}
+    assert len(ptrs) == n and all(b.untyped_storage().nbytes() == 32 * 4 for b in back)
+    back[0].fill_(-1.0)  # separate storages: an edit of one output leaves the others
+    assert all(torch.equal(b, torch.full((32,), float(i))) for i, b in enumerate(back) if i)
+
+
+def test_outputs_sharing_an_allocation_live_and_die_independently(host_engine):
+    import gc
+    import weakref
+
+    values = [torch.full((8, 4), float(i)).t() for i in range(5)]  # non-contiguous, dense: strides kept
+    stored = _engine.store(values, CPU)
+    back, _ = _engine.fetch(stored, CPU, True)
+    assert all(b.stride() == v.stride() and torch.equal(b, v) for b, v in zip(back, values))
+    keep, refs = back[3], [weakref.ref(b) for b in back]
+    del back
+    gc.collect()
+    assert [r() is None for r in refs] == [True, True, True, False, True]
+    assert torch.equal(keep, values[3])  # the shared allocation lives while one output does
+    assert _engine._C.allocation_of(keep) is not None and _engine._C.allocation_of(keep).numel() >= 5 * 32 * 4
+    keep.resize_(1000).fill_(7.0)  # grown: memory of its own, from the span's allocator
+    assert _engine._C.allocation_of(keep) is keep
+    assert keep.untyped_storage().nbytes() == 4000
+
+
 def test_fetch_waits_once_per_distinct_event(engine_config):
     engine_config(backend="host", host_copy_delay_us=20000)
     stored = _engine.store([torch.full((32,), float(i)) for i in range(500)], CPU)  # one block, one event

@@ -677,6 +677,73 @@ def test_a_ticket_waited_on_a_side_stream_keeps_the_outputs_from_reuse_there():
     assert int(again.count_nonzero()) == 0
 
 
+def test_a_packed_fetch_makes_one_device_allocation_and_one_handover():
+    # 1000 small values: one span copy into one allocation, each output a storage inside it; one
+    # recordStream on it, not 1000 (nor 1000 allocator frees and events when they die).
+    values = [torch.full((64,), float(i)) for i in range(1000)]
+    stored = _engine.store(values, CPU)
+    offcache.synchronize()
+    torch.cuda.synchronize()
+    before_mem, before = torch.cuda.memory_stats(DEV), offcache.stats()
+    outs, _ = _engine.fetch(stored, DEV, True)
+    after_mem, after = torch.cuda.memory_stats(DEV), offcache.stats()
+    assert after_mem["allocation.all.allocated"] - before_mem["allocation.all.allocated"] == 1
+    assert after["output_allocations"] - before["output_allocations"] == 1
+    assert after["handovers"] - before["handovers"] == 1
+    assert all(torch.equal(o.cpu(), v) for o, v in zip(outs, values))
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated(DEV)
+    keep = outs[7]
+    del outs
+    assert torch.cuda.memory_allocated(DEV) == held  # one output alive holds the span
+    del keep
+    assert torch.cuda.memory_allocated(DEV) < held
+
+
+def test_offcache_record_stream_keeps_a_packed_span_from_reuse_on_that_stream():
+    # torch's record_stream does not reach the span a small fetched value lives in (the allocator
+    # knows only the span); offcache.record_stream records the span itself.
+    xs = [torch.randn(1 << 16) for _ in range(8)]
+    stored = _engine.store(xs, CPU)
+    zeros = _engine.store([torch.zeros(1 << 16) for _ in range(8)], CPU)
+    offcache.synchronize()
+    side = torch.cuda.Stream(DEV)
+    outs, _ = _engine.fetch(stored, DEV, True)
+    side.wait_stream(torch.cuda.current_stream(DEV))
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)
+        totals = [o.sum() for o in outs]
+    for o in outs:
+        offcache.record_stream(o, side)
+    del outs, o
+    again, _ = _engine.fetch(zeros, DEV, True)
+    torch.cuda.synchronize()
+    for t, x in zip(totals, xs):
+        assert torch.allclose(t.cpu(), x.sum(), rtol=1e-4, atol=1e-2)
+    assert all(int(a.count_nonzero()) == 0 for a in again)
+
+
+def test_a_ticket_waited_on_a_side_stream_keeps_a_packed_span_from_reuse_there():
+    # The ticket's hand-off to `side` records the span's allocation, not the outputs (storages
+    # inside it, which the allocator does not know).
+    xs = [torch.randn(1 << 16) for _ in range(8)]
+    stored = _engine.store(xs, CPU)
+    zeros = _engine.store([torch.zeros(1 << 16) for _ in range(8)], CPU)
+    offcache.synchronize()
+    side = torch.cuda.Stream(DEV)
+    outs, ticket = _engine.fetch(stored, DEV, wait=False)
+    with torch.cuda.stream(side):
+        ticket.wait()
+        torch.cuda._sleep(200_000_000)
+        totals = [o.sum() for o in outs]
+    del outs
+    again, _ = _engine.fetch(zeros, DEV, True)
+    torch.cuda.synchronize()
+    for t, x in zip(totals, xs):
+        assert torch.allclose(t.cpu(), x.sum(), rtol=1e-4, atol=1e-2)
+    assert all(int(a.count_nonzero()) == 0 for a in again)
+
+
 def test_a_copy_stream_follows_a_disk_fetch_in_flight_without_a_host_wait(engine_config, tmp_path):
     # copy_into into a disk block still read by a disk-tier fetch (a ChainedEvent fence): the copy
     # stream waits on the fetch's last copy event once it is issued; the host did wait on it.
@@ -789,6 +856,29 @@ def test_a_disk_store_in_flight_does_not_invalidate_a_graph_capture(engine_confi
     assert torch.all(static_out == 2)
     back, _ = _engine.fetch(stored, DEV)
     assert all(torch.equal(a, b) for a, b in zip(xs, back))
+
+
+def test_an_event_query_refused_by_a_capture_leaks_nothing(engine_config):
+    # The capturing thread's own engine calls query the ledger's events, which a thread-local capture
+    # refuses (cudaErrorStreamCaptureUnsupported: not sticky). The query says "unknown", the ledger
+    # asks again later: nothing is taken for a broken context and leaked, and the engine stays usable.
+    engine_config(backend="cuda")
+    x = torch.randn(1 << 22, device=DEV)
+    torch.cuda._sleep(100_000_000)
+    (first,) = _engine.store([x], CPU)  # its copy still in flight during the capture
+    g = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(g, capture_error_mode="thread_local"):
+            static_out = x * 2
+            offcache.stats()  # reaps: queries the store's event
+    except RuntimeError:
+        pass  # the capture may be invalidated; the engine must not be
+    torch.cuda.synchronize()
+    offcache.synchronize()
+    assert offcache.stats()["leaked_blocks"] == 0
+    (back,), _ = _engine.fetch([first], DEV)
+    assert torch.equal(back, x)
+    del static_out
 
 
 def test_a_d2h_copy_into_pageable_memory_counts_as_a_host_wait(engine_config, tmp_path):
