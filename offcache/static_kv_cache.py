@@ -30,14 +30,14 @@ RuntimeError). ``copy.deepcopy`` and pickling wait for the copies and copy the a
 
 torch.compile: under compilation the update of an offloaded layer is one ``torch.library``
 custom op (``offcache::static_kv_update``) with a fake implementation and its mutation of
-``cumulative_length`` declared, so ``torch.compile(model.forward, fullgraph=True)`` traces
-one graph per forward; the op runs the eager update (engine bookkeeping, waits, copies,
-prefetch) at every call and returns copies of the layer's device buffers (one
-device-to-device copy per layer and step: graph outputs must not alias the buffers the
-engine rewrites). It is tagged ``cudagraph_unsafe``: inductor's graph partition keeps it out
-of CUDA graphs (mode "reduce-overhead") and captures the rest; there, CUDA graph trees copy
-the op's outputs into the next partition's input buffers on every replay, a second
-device-to-device copy per layer and step.
+``cumulative_length`` and of its two outputs declared, so ``torch.compile(model.forward,
+fullgraph=True)`` traces one graph per forward; the op runs the eager update (engine
+bookkeeping, waits, copies, prefetch) at every call and copies the layer's device buffers
+into outputs the graph allocated (one device-to-device copy per layer and step: graph
+outputs must not alias the buffers the engine rewrites). It is tagged ``cudagraph_unsafe``:
+inductor's graph partition keeps it out of CUDA graphs (mode "reduce-overhead") and captures
+the rest; the outputs are then in the CUDA graph pool, which the next partition reads in
+place (no second copy into its input buffers).
 """
 
 from __future__ import annotations
@@ -481,10 +481,15 @@ class OffloadedStaticKVCache(StaticCache):
         if torch.compiler.is_compiling():
             if not isinstance(layer, _StaticOffloaded):
                 return layer.update(key_states, value_states, *args, **kwargs)  # traced as StaticCache's
-            out_len = layer._out_len(key_states.shape[-2])
-            return torch.ops.offcache.static_kv_update(
-                key_states, value_states, layer.cumulative_length, self._handle_t, layer_idx, out_len
+            # The outputs are allocated by the graph and filled by the op: under mode="reduce-overhead"
+            # they live in the CUDA graph pool, so the next graph reads them where the op wrote them.
+            b, h, out_len = *key_states.shape[:2], layer._out_len(key_states.shape[-2])
+            out_k = key_states.new_empty((b, h, out_len, key_states.shape[-1]))
+            out_v = value_states.new_empty((b, h, out_len, value_states.shape[-1]))
+            torch.ops.offcache.static_kv_update(
+                key_states, value_states, layer.cumulative_length, self._handle_t, layer_idx, out_k, out_v
             )
+            return out_k, out_v
         return self._update_eager(key_states, value_states, layer_idx, *args, **kwargs)
 
     def _update_eager(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -579,24 +584,31 @@ def _run_update(key_states, value_states, cumulative_length, handle, layer_idx):
         layer.cumulative_length = own
 
 
-@torch.library.custom_op("offcache::static_kv_update", mutates_args=("cumulative_length",),
+@torch.library.custom_op("offcache::static_kv_update", mutates_args=("cumulative_length", "out_k", "out_v"),
                          tags=(torch.Tag.cudagraph_unsafe,))  # fmt: skip
 def _static_kv_update(
     key_states: torch.Tensor,  # [batch, heads, new, k_dim]
     value_states: torch.Tensor,  # [batch, heads, new, v_dim]
     cumulative_length: torch.Tensor,  # [] int64
-    handle: torch.Tensor,
+    handle: torch.Tensor,  # [] int64: the cache's key in _CACHES
     layer_idx: int,
-    out_len: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One offloaded layer's update, run eagerly from a compiled graph (host bookkeeping at every call)."""
+    out_k: torch.Tensor,  # [batch, heads, out_len, k_dim]: the layer's keys, written here
+    out_v: torch.Tensor,  # [batch, heads, out_len, v_dim]: its values
+) -> None:
+    """One offloaded layer's update, run eagerly from a compiled graph (host bookkeeping at every call).
+
+    Its one device-to-device copy per layer and step: the layer's K/V into the graph's outputs, which
+    must not alias the device buffers that later layers' prefetches rewrite."""
     k, v = _run_update(key_states, value_states, cumulative_length, handle, layer_idx)
-    # Copies: graph outputs must not alias the device buffers that later layers' prefetches rewrite.
-    return k.clone(), v.clone()
+    if k.shape != out_k.shape or v.shape != out_v.shape:  # copy_ would broadcast a shorter one silently
+        raise RuntimeError(
+            f"OffloadedStaticKVCache: layer {layer_idx}'s update returned K/V of {tuple(k.shape)} / {tuple(v.shape)}, "
+            f"but the compiled graph expects {tuple(out_k.shape)} / {tuple(out_v.shape)}"
+        )
+    out_k.copy_(k)
+    out_v.copy_(v)
 
 
 @_static_kv_update.register_fake
-def _(key_states, value_states, cumulative_length, handle, layer_idx, out_len):
-    b, h = key_states.shape[:2]
-    return (key_states.new_empty((b, h, out_len, key_states.shape[-1])),
-            value_states.new_empty((b, h, out_len, value_states.shape[-1])))  # fmt: skip
+def _(key_states, value_states, cumulative_length, handle, layer_idx, out_k, out_v):
+    return None

@@ -9,7 +9,7 @@ from offcache import _engine
 from offcache.bench.models import causal_lm
 from offcache.kv_cache import cache_kwarg
 from offcache.static_kv_cache import OffloadedStaticKVCache
-from tests.kv_models import copier, fill, kw, select_repeat_decode
+from tests.kv_models import copier, edit_layer_in_place, fill, kw, select_repeat_decode
 
 transformers = pytest.importorskip("transformers")
 
@@ -422,19 +422,42 @@ def test_reduce_overhead_fullgraph_same_tokens_on_cuda(kind, offload_sliding):
         torch._dynamo.reset()
 
 
+@pytest.mark.gpu
+def test_reduce_overhead_copies_no_layer_kv_into_cuda_graph_inputs(monkeypatch):
+    """Per offloaded layer and step, one device-to-device copy of its K/V (the op's, into outputs the graph
+    allocated): CUDA graph trees read those in the graph pool where the op wrote them, copying none of them
+    into the next graph's input buffers on replay (a second full-buffer copy each, before)."""
+    from torch._inductor import cudagraph_trees
+
+    model = tiny_model("llama", "cuda")
+    ids = random_ids(1, 9, seed=5, device="cuda")
+    copied = []
+    node = cudagraph_trees.CUDAGraphNode
+    assert hasattr(node, "_copy_inputs_and_remove_from_src"), f"torch {torch.__version__}: replay copies moved"
+    original = node._copy_inputs_and_remove_from_src
+
+    def counting(self, dsts, srcs):
+        copied.extend(tuple(srcs[i].shape) for i in self.non_static_input_idx if isinstance(srcs[i], torch.Tensor))
+        return original(self, dsts, srcs)
+
+    monkeypatch.setattr(node, "_copy_inputs_and_remove_from_src", counting)
+    forward = model.forward
+    model.forward = torch.compile(forward, mode="reduce-overhead", fullgraph=True)
+    torch._dynamo.reset()
+    try:
+        for _ in range(2):  # the second run replays the recorded graphs
+            cache = OffloadedStaticKVCache(config=model.config, max_cache_len=64)
+            copied.clear()
+            generate(model, ids, cache, 8, disable_compile=True)
+    finally:
+        model.forward = forward
+        torch._dynamo.reset()
+    layer = cache.layers[0]
+    kv_shapes = {tuple(layer.keys.shape), tuple(layer.values.shape)}
+    assert not [s for s in copied if s in kv_shapes], copied
+
+
 # In-place edits, the op registry, inductor (issue 24, items 2, 3, 7) ------------------------------
-
-
-def edit_in_place(layer, how: str) -> None:
-    """Halve the layer's K and negate its V in place, through the tensor, ``.data`` or numpy."""
-    for t, f in ((layer.keys, 0.5), (layer.values, -1.0)):
-        if how == "tensor":
-            t.mul_(f)
-        elif how == "data":
-            t.data.mul_(f)
-        else:
-            a = t.numpy()
-            a *= f
 
 
 @pytest.mark.parametrize("engine", ["default", "host-1MiB-slow"], indirect=True)
@@ -453,7 +476,7 @@ def test_in_place_edit_of_layer_kv_is_seen_by_the_next_step(engine, how, kind, o
             out = model(input_ids=ids, **kw(cache), use_cache=True).logits
             if name == "ours" and engine.get("host_copy_delay_us") is None:
                 offcache.synchronize()  # else: the edit while the prefetch is in flight
-            edit_in_place(cache.layers[0], how)
+            edit_layer_in_place(cache.layers[0], how)
             step = out[:, -1:].argmax(-1)
             logits[name] = model(input_ids=step, **kw(cache), use_cache=True).logits
     assert torch.equal(logits["ours"], logits["ref"])
