@@ -281,24 +281,21 @@ class OffloadedSlidingLayer(_Offloaded, DynamicSlidingWindowLayer):
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
-        # DynamicSlidingWindowLayer.update with the past fetched from the arena and the kept part stored.
+        # The installed transformers' own DynamicSlidingWindowLayer.update (what it keeps and what it
+        # returns: 5.23+ returns only the visible part while it records the past for assisted decoding),
+        # run on a shadow holding the past fetched from the arena; what it keeps is stored.
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.cumulative_length += key_states.shape[-2]
         past = self._past()
-        if past is None:
-            full_k, full_v = key_states, value_states
-        else:
-            full_k = torch.cat([past[0], key_states], dim=-2)
-            full_v = torch.cat([past[1], value_states], dim=-2)
-        if self.record_past:  # kept whole until crop() (assisted decoding)
-            kept = full_k, full_v
-        else:
-            kept = full_k[:, :, -self.sliding_window + 1 :, :], full_v[:, :, -self.sliding_window + 1 :, :]
-        k, v = _engine.store([t.contiguous() for t in kept], _CPU)
+        shadow = self._shadow_class.__new__(self._shadow_class)
+        shadow.__dict__.update({k: v for k, v in self.__dict__.items() if not k.startswith("_host")})
+        shadow.keys, shadow.values = past if past is not None else (key_states[:, :, :0], value_states[:, :, :0])
+        out = self._shadow_class.update(shadow, key_states, value_states, *args, **kwargs)
+        self.cumulative_length = shadow.cumulative_length
+        k, v = _engine.store([shadow.keys.contiguous(), shadow.values.contiguous()], _CPU)
         self._host_k, self._host_v = [k], [v]
         self._changed()
-        return full_k, full_v
+        return out
 
     def reset(self) -> None:
         self._drop_offloaded()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from offcache import plan as _plan
 from offcache._extras import MissingExtraError, require
+from offcache.kv import _positive_int
 from offcache.plan import _h, _seconds
 
 # The lines whose numbers depend on the machine (its memory, GPU, disk, offcache's configuration);
@@ -88,16 +89,6 @@ def render(p: _plan.Plan) -> str:
     ]
     out += [f"Advice: {a}" for a in p.advice]
     return "\n".join(out)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
-    return value
 
 
 def _positive_float(text: str) -> float:

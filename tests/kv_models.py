@@ -12,6 +12,24 @@ def kw(cache) -> dict:
     return {cache_kwarg(): cache}
 
 
+def edit_in_place(t: torch.Tensor, how: str, factor: float) -> None:
+    """Multiply `t` by `factor` in place: through the tensor, ``.data`` or numpy (which no version
+    counter sees)."""
+    if how == "tensor":
+        t.mul_(factor)
+    elif how == "data":
+        t.data.mul_(factor)
+    else:
+        a = t.numpy()
+        a *= factor
+
+
+def edit_layer_in_place(layer, how: str) -> None:
+    """Halve the layer's K and negate its V in place, through the tensor, ``.data`` or numpy."""
+    edit_in_place(layer.keys, how, 0.5)
+    edit_in_place(layer.values, how, -1.0)
+
+
 def fill(model, cache, prompt):
     """`cache` after one forward of `prompt` (the prompt-reuse recipe's first step)."""
     with torch.no_grad():

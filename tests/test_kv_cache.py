@@ -8,7 +8,7 @@ import offcache.kv_cache
 from offcache import _engine
 from offcache.bench.models import causal_lm
 from offcache.kv_cache import cache_kwarg
-from tests.kv_models import copier, fill, kw, select_repeat_decode
+from tests.kv_models import copier, edit_layer_in_place, fill, kw, select_repeat_decode
 
 transformers = pytest.importorskip("transformers")
 
@@ -285,18 +285,6 @@ def test_copied_cache_generates_like_dynamic_cache(engine, layers, kind, offload
 # In-place edits of a layer's keys / values (issue 24, item 1) -------------------------------------
 
 
-def edit_in_place(layer, how: str) -> None:
-    """Halve the layer's K and negate its V in place, through the tensor, ``.data`` or numpy."""
-    for t, f in ((layer.keys, 0.5), (layer.values, -1.0)):
-        if how == "tensor":
-            t.mul_(f)
-        elif how == "data":
-            t.data.mul_(f)
-        else:
-            a = t.numpy()
-            a *= f
-
-
 @pytest.mark.parametrize("engine", ["default", "host-1MiB-slow"], indirect=True)
 @pytest.mark.parametrize("how", ["tensor", "data", "numpy"])
 @pytest.mark.parametrize("kind, offload_sliding", [("llama", False), ("mistral", True)])
@@ -313,7 +301,7 @@ def test_in_place_edit_of_layer_kv_is_seen_by_the_next_step(engine, how, kind, o
             out = model(input_ids=ids, **kw(cache), use_cache=True).logits
             if name == "ours" and engine.get("host_copy_delay_us") is None:
                 offcache.synchronize()  # else: the edit while the prefetch is in flight
-            edit_in_place(cache.layers[0], how)
+            edit_layer_in_place(cache.layers[0], how)
             step = out[:, -1:].argmax(-1)
             logits[name] = model(input_ids=step, **kw(cache), use_cache=True).logits
     assert torch.equal(logits["ours"], logits["ref"])
@@ -378,3 +366,28 @@ def test_reset_then_a_new_prompt_as_a_new_cache(engine, kind, offload_sliding):
         want = model(input_ids=ids, **kw(transformers.DynamicCache(config=model.config)), use_cache=True).logits
     assert torch.equal(got, want)
     assert_same_layers(cache, fill(model, transformers.DynamicCache(config=model.config), ids))
+
+
+@pytest.mark.parametrize("engine", ["host", "host-1MiB-slow"], indirect=True)
+def test_offloaded_sliding_layer_updates_as_the_installed_transformers_does(engine):
+    """Recording the past (assisted decoding), several forwards without a crop: what transformers'
+    DynamicSlidingWindowLayer keeps and returns (5.23+ returns only the part the mask sees), then a crop."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    window = 4
+    ours = offcache.kv_cache.OffloadedSlidingLayer(window)
+    ref = DynamicSlidingWindowLayer(window)
+    for layer in (ours, ref):
+        layer.activate_past_recording()
+    g = torch.Generator().manual_seed(7)
+    for n in (3, 2, 1, 3):  # past the window, never cropped
+        k, v = torch.randn(1, 2, n, 8, generator=g), torch.randn(1, 2, n, 8, generator=g)
+        got, want = ours.update(k, v), ref.update(k, v)
+        for a, b in zip(got, want):
+            assert a.shape == b.shape and torch.equal(a, b)
+        assert ours.get_seq_length() == ref.get_seq_length()
+        assert torch.equal(ours.keys, ref.keys) and torch.equal(ours.values, ref.values)
+    ours.crop(-2)
+    ref.crop(-2)
+    assert ours.get_seq_length() == ref.get_seq_length()
+    assert torch.equal(ours.keys, ref.keys) and torch.equal(ours.values, ref.values)

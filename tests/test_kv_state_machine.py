@@ -40,7 +40,7 @@ from hypothesis.stateful import (
 from offcache.bench.models import causal_lm
 from offcache.kv_cache import OffloadedKVCache
 from offcache.static_kv_cache import OffloadedStaticKVCache, _resident_op
-from tests.kv_models import kw, tiny_causal_lm
+from tests.kv_models import edit_in_place, kw, tiny_causal_lm
 
 transformers = pytest.importorskip("transformers")
 from transformers.cache_utils import DynamicCache, DynamicLayer, StaticCache  # noqa: E402
@@ -63,16 +63,6 @@ def model_of(kind: str):
 def close(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal up to float reassociation (1e-5 absolute: a missed edit or a stale prefetch is 1e-3 and more)."""
     return a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=0, atol=1e-5)
-
-
-def edit_in_place(t: torch.Tensor, how: str, factor: float) -> None:
-    if how == "tensor":
-        t.mul_(factor)
-    elif how == "data":
-        t.data.mul_(factor)
-    else:
-        a = t.numpy()
-        a *= factor
 
 
 def holds_kv(layer) -> bool:
