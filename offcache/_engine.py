@@ -31,6 +31,9 @@ from decimal import Decimal
 
 import torch
 
+from offcache import _machine
+from offcache._machine import _existing, _human
+
 # What setup.py records next to the engine it builds (offcache/_C_build.json): the torch it was
 # compiled against, so a mismatch is refused before the library is even loaded.
 BUILD_RECORD = "_C_build.json"
@@ -183,100 +186,6 @@ class CapacityWarning(UserWarning):
 HostLimitError: type[MemoryError] = _C.HostLimitError
 
 
-def total_ram_bytes() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def _unescape(field: str) -> str:
-    """A /proc/self/mountinfo path field: spaces, tabs, newlines and backslashes come octal-escaped."""
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
-
-
-def mounts(proc: str = "/proc/self") -> list[tuple[str, str, str, str]]:
-    """(root, mount point, file system type, super options) of each mount, from mountinfo."""
-    out = []
-    try:
-        with open(os.path.join(proc, "mountinfo")) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return out
-    for line in lines:
-        left, sep, right = line.partition(" - ")
-        a, b = left.split(), right.split()
-        if sep and len(a) >= 5 and len(b) >= 3:
-            out.append((_unescape(a[3]), _unescape(a[4]), b[0], b[2]))
-    return out
-
-
-def _read_limit(path: str) -> int | None:
-    try:
-        with open(path) as f:
-            text = f.read().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None  # v2 writes "max" for no limit
-
-
-def cgroup_memory_limit(proc: str = "/proc/self") -> int | None:
-    """The tightest memory limit of this process's cgroups, v1 and v2; None where none is set.
-
-    The cgroup paths come from /proc/self/cgroup; each is found under the mount of its
-    hierarchy (mountinfo gives the mount's root, so a namespaced mount resolves too), and
-    every level up to the mount counts, since a parent's limit binds its children.
-    """
-    try:
-        with open(os.path.join(proc, "cgroup")) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    table = mounts(proc)
-    found = []
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        _, controllers, path = parts
-        if controllers == "":
-            v2, limit_file = True, "memory.max"
-        elif "memory" in controllers.split(","):
-            v2, limit_file = False, "memory.limit_in_bytes"
-        else:
-            continue
-        for root, point, fs, opts in table:
-            if not (fs == "cgroup2" if v2 else fs == "cgroup" and "memory" in opts.split(",")):
-                continue
-            rel = path[len(root) :] if root != "/" and (path + "/").startswith(root + "/") else path
-            here = os.path.normpath(point + "/" + rel.lstrip("/"))
-            if not os.path.isdir(here):
-                here = point
-            while True:
-                limit = _read_limit(os.path.join(here, limit_file))
-                if limit is not None:
-                    found.append(limit)
-                if os.path.normpath(here) == os.path.normpath(point) or here in ("/", ""):
-                    break
-                here = os.path.dirname(here)
-    return min(found) if found else None
-
-
-def usable_memory_bytes() -> int:
-    """The memory this process may use: the smaller of RAM and its cgroup's limit.
-
-    Containers, Kubernetes pods and Slurm jobs run under a cgroup limit far below the
-    machine's RAM; percentages (OFFCACHE_PINNED_LIMIT, OFFCACHE_HOST_LIMIT) are of this.
-    """
-    ram = total_ram_bytes()
-    limit = cgroup_memory_limit()
-    return ram if limit is None else min(ram, limit)
-
-
-def _human(n: int) -> str:
-    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.4g}{unit}"
-    return f"{n}B"
-
-
 def _fraction_hint(number) -> str:
     pct = f"{float(number) * 100:g}%"
     return f"a fraction is not a size: for {pct} of memory write '{pct}', or give bytes (e.g. '512MiB')"
@@ -302,7 +211,7 @@ def parse_size(text: str | int, what: str = "a size", low: int = 0, high: int = 
                 pct = float("nan")
             if not 0 < pct <= 100:
                 raise ValueError(f"{what}: a percentage of memory must be in (0, 100], got {text!r}")
-            n = int(usable_memory_bytes() * pct / 100)
+            n = int(_machine.usable_memory_bytes() * pct / 100)
         else:
             m = _NUMBER.fullmatch(s)
             if not m or m[2] not in _UNITS:
@@ -363,62 +272,6 @@ def default_host_limit() -> int:
     return memory_share(DEFAULTS["host_limit"], "the default host_limit")
 
 
-# File systems whose "files" are memory: a disk tier there would spend the memory it saves.
-_MEMORY_FS = frozenset({"tmpfs", "ramfs", "devtmpfs", "hugetlbfs", "rootfs"})
-_AUTO_MIN_FREE = 1 << 30  # less free disk than this is no tier worth having
-
-
-def filesystem_type(path: str, proc: str = "/proc/self") -> str:
-    """The type of the file system holding `path` (the longest mount point above it), or ''."""
-    real = os.path.realpath(path)
-    best, kind = "", ""
-    for _, point, fs, _ in mounts(proc):
-        if (real + "/").startswith(point.rstrip("/") + "/") and len(point) >= len(best):
-            best, kind = point, fs
-    return kind
-
-
-def _existing(path: str) -> str:
-    """`path`, or the nearest folder above it that exists."""
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    return path
-
-
-def auto_disk_dir(environ=None, proc: str = "/proc/self") -> tuple[str, str]:
-    """OFFCACHE_DISK_DIR=auto: (folder, '') or ('', why no folder is usable).
-
-    The folder is $XDG_CACHE_HOME/offcache, else ~/.cache/offcache; usable where it (or, until
-    it exists, the nearest folder above it) is writable, on a real disk (not tmpfs/ramfs) and has
-    at least 1GiB free. Nothing is made here: the folder is made (private, 0700) when the disk
-    tier is first needed (make_disk_dir), and the engine uses it only past the host limit, in
-    files unlinked at once.
-    """
-    environ = os.environ if environ is None else environ
-    xdg = (environ.get("XDG_CACHE_HOME") or "").strip()
-    base = xdg if os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")  # XDG: relative is ignored
-    if not os.path.isabs(base):
-        return "", "no home folder and no absolute XDG_CACHE_HOME"
-    folder = os.path.join(base, "offcache")
-    existing = _existing(folder)
-    fs = filesystem_type(existing, proc)  # the folder may be a link or a mount of its own
-    if fs in _MEMORY_FS:
-        return "", f"{folder} is on {fs}, which is memory, not disk"
-    if not os.path.isdir(existing):
-        return "", f"cannot make {folder}: {existing} is not a folder"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        where = "" if existing == folder else f"cannot make {folder}: "
-        return "", f"{where}cannot write to {existing}"
-    try:
-        st = os.statvfs(existing)
-    except OSError as exc:
-        return "", f"cannot read the free space of {folder}: {exc.strerror or exc}"
-    free = st.f_bavail * st.f_frsize
-    if free < _AUTO_MIN_FREE:
-        return "", f"{folder} has only {_human(free)} free (auto needs at least {_human(_AUTO_MIN_FREE)})"
-    return folder, ""
-
-
 # The auto disk tier's folder while it does not exist yet: made by the first store that may need it.
 _pending_disk_dir: str = ""
 
@@ -460,7 +313,7 @@ def _disk_dir(given: str | os.PathLike, name: str) -> tuple[str, str]:
     if word == "none":
         return "", ""
     if word == "auto":
-        return auto_disk_dir()
+        return _machine.auto_disk_dir()
     path = os.path.abspath(path)
     if not os.path.isdir(path):
         raise ValueError(f"{name}: {path!r} is not a folder (make it first, or use {_DISK_FORMS})")

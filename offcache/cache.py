@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from offcache import _engine
+from offcache import _engine, _machine
 from offcache.tree import IntermediateValue, collect, count_bytes, plan, rebuild, tensor_leaves
 
 __all__ = ["IntermediateValue", "IntermediatesCache"]
@@ -273,9 +273,9 @@ class IntermediatesCache:
         names = ", ".join(map(repr, values))
         warnings.warn(
             f"offcache: batch {batch_index}'s values ({names}) hold {batch_bytes} bytes; for {batches} batches "
-            f"that is {total} bytes ({_engine._human(total)}), more than {where} ({room} bytes together): the run "
+            f"that is {total} bytes ({_machine._human(total)}), more than {where} ({room} bytes together): the run "
             f"would fail when the cache fills. Set OFFCACHE_DISK_DIR to a folder on a disk with "
-            f"{_engine._human(total)} free, raise OFFCACHE_HOST_LIMIT if the memory is there, or calibrate with "
+            f"{_machine._human(total)} free, raise OFFCACHE_HOST_LIMIT if the memory is there, or calibrate with "
             "fewer samples or shorter sequences (python -m offcache.plan estimates a run before it starts)",
             _engine.CapacityWarning,
             stacklevel=4,

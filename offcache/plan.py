@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from offcache import _engine, plan_sim, plan_trace
+from offcache import _engine, _machine, plan_sim, plan_trace
 from offcache._extras import require
 
 GiB = 1 << 30
@@ -269,7 +269,7 @@ def _tiers(peak: int, settings: dict) -> Tiers:
     free = 0
     if disk_dir:
         try:
-            st = os.statvfs(_engine._existing(disk_dir))  # made when first needed
+            st = os.statvfs(_machine._existing(disk_dir))  # made when first needed
             free = st.f_bavail * st.f_frsize
         except OSError:
             free = 0
@@ -277,7 +277,7 @@ def _tiers(peak: int, settings: dict) -> Tiers:
     pageable = min(peak, host_limit) - pinned
     disk = max(peak - host_limit, 0)
     return Tiers(
-        memory_bytes=_engine.usable_memory_bytes(),
+        memory_bytes=_machine.usable_memory_bytes(),
         pinned_limit_bytes=pinned_limit,
         host_limit_bytes=host_limit,
         disk_dir=disk_dir,
@@ -503,7 +503,7 @@ def _targets(names: list[str]) -> str:
 def _h(n: int) -> str:
     if n < 1024:
         return f"{n} bytes"
-    return f"{n} bytes ({_engine._human(n)})"
+    return f"{n} bytes ({_machine._human(n)})"
 
 
 def _seconds(t: float) -> str:

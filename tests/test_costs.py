@@ -1,6 +1,6 @@
 """What each call asks of the backend, bounded. Both backends count the same primitives at
 the same places (csrc/backend.h, Counters), so these host-backend bounds hold for the CUDA
-path too; tests/test_gpu.py checks the CUDA-only ones (pooled events)."""
+path too; tests/test_gpu_streams.py checks the CUDA-only ones (pooled events)."""
 
 import pytest
 import torch

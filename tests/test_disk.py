@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import offcache
-from offcache import _engine
+from offcache import _engine, _machine
 from tests.conftest import DISK_DIR
 
 CPU = torch.device("cpu")
@@ -303,7 +303,7 @@ def test_default_host_limit_is_shared_among_local_ranks(engine_config, disk_dir,
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.delenv("OFFCACHE_HOST_LIMIT", raising=False)
     engine_config(backend="host", disk_dir=disk_dir)
-    memory = min(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), _engine.cgroup_memory_limit() or 2**64)
+    memory = min(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), _machine.cgroup_memory_limit() or 2**64)
     assert offcache.stats()["host_limit_bytes"] == int(memory * 0.25) // 4
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from offcache import _engine
+from offcache import _machine
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -119,7 +119,7 @@ def test_bench_without_matplotlib_writes_its_results_and_says_why_there_are_no_p
 
 
 def test_import_makes_nothing_on_disk_and_the_disk_tier_makes_its_folder_when_first_needed(tmp_path):
-    if _engine.filesystem_type(str(tmp_path)) in _engine._MEMORY_FS:
+    if _machine.filesystem_type(str(tmp_path)) in _machine._MEMORY_FS:
         pytest.skip(f"{tmp_path} is on a memory file system: the auto disk tier refuses it")
     home = tmp_path / "home"  # does not exist: offcache must not make it either
     env = {k: v for k, v in os.environ.items() if not k.startswith("OFFCACHE_") and k != "XDG_CACHE_HOME"}

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import offcache
-from offcache import IntermediatesCache, _engine
+from offcache import IntermediatesCache, _engine, _machine
 
 MiB, GiB = 1 << 20, 1 << 30
 ROOT = Path(__file__).parent.parent
@@ -46,7 +46,7 @@ def test_cgroup_v2_limit_is_the_tightest_on_the_path(tmp_path):
     limit_dir(root, "/job", "memory.max", str(3 * GiB))
     limit_dir(root, "/job/step", "memory.max", "max")  # no limit of its own: the parent's binds
     proc = fake_proc(tmp_path, "0::/job/step\n", [("/", str(root), "cgroup2", "rw")])
-    assert _engine.cgroup_memory_limit(proc) == 3 * GiB
+    assert _machine.cgroup_memory_limit(proc) == 3 * GiB
 
 
 def test_cgroup_v1_memory_hierarchy_and_a_namespaced_mount(tmp_path):
@@ -57,32 +57,32 @@ def test_cgroup_v1_memory_hierarchy_and_a_namespaced_mount(tmp_path):
     cgroup = "5:cpu,cpuacct:/kube/pod1\n4:memory:/kube/pod1/inner\n0::/\n"
     mounts = [("/kube/pod1", str(root), "cgroup", "rw,memory"), ("/kube/pod1", str(tmp_path / "cpu"), "cgroup", "cpu")]
     proc = fake_proc(tmp_path, cgroup, mounts)
-    assert _engine.cgroup_memory_limit(proc) == 2 * GiB
+    assert _machine.cgroup_memory_limit(proc) == 2 * GiB
 
 
 def test_no_cgroup_limit_is_none(tmp_path):
     root = tmp_path / "cg2"
     limit_dir(root, "/", "memory.max", "max")
-    assert _engine.cgroup_memory_limit(fake_proc(tmp_path, "0::/\n", [("/", str(root), "cgroup2", "rw")])) is None
-    assert _engine.cgroup_memory_limit(str(tmp_path / "missing")) is None
+    assert _machine.cgroup_memory_limit(fake_proc(tmp_path, "0::/\n", [("/", str(root), "cgroup2", "rw")])) is None
+    assert _machine.cgroup_memory_limit(str(tmp_path / "missing")) is None
 
 
 def test_percentages_and_defaults_are_of_the_cgroup_limit(engine_config, monkeypatch):
-    monkeypatch.setattr(_engine, "cgroup_memory_limit", lambda proc="/proc/self": 2 * GiB)
+    monkeypatch.setattr(_machine, "cgroup_memory_limit", lambda proc="/proc/self": 2 * GiB)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     for var in ("OFFCACHE_PINNED_LIMIT", "OFFCACHE_HOST_LIMIT"):
         monkeypatch.delenv(var, raising=False)
-    assert _engine.usable_memory_bytes() == min(2 * GiB, _engine.total_ram_bytes())
-    assert _engine.parse_size("50%", "X") == _engine.usable_memory_bytes() // 2
+    assert _machine.usable_memory_bytes() == min(2 * GiB, _machine.total_ram_bytes())
+    assert _engine.parse_size("50%", "X") == _machine.usable_memory_bytes() // 2
     engine_config(backend="host", disk_dir="none")
     s = offcache.stats()
-    assert s["host_limit_bytes"] == s["pinned_limit_bytes"] == _engine.usable_memory_bytes() // 4
+    assert s["host_limit_bytes"] == s["pinned_limit_bytes"] == _machine.usable_memory_bytes() // 4
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     engine_config(backend="host", disk_dir="none", pinned_limit="10%")
-    assert offcache.stats()["host_limit_bytes"] == _engine.usable_memory_bytes() // 4 // 2
-    assert offcache.stats()["pinned_limit_bytes"] == _engine.usable_memory_bytes() // 10 // 2  # shared by the ranks
+    assert offcache.stats()["host_limit_bytes"] == _machine.usable_memory_bytes() // 4 // 2
+    assert offcache.stats()["pinned_limit_bytes"] == _machine.usable_memory_bytes() // 10 // 2  # shared by the ranks
     offcache.set_pinned_limit("20%")
-    assert offcache.stats()["pinned_limit_bytes"] == _engine.usable_memory_bytes() // 5 // 2
+    assert offcache.stats()["pinned_limit_bytes"] == _machine.usable_memory_bytes() // 5 // 2
     engine_config(backend="host", disk_dir="none", pinned_limit="64MiB", host_limit=1 << 30)  # bytes: per process
     assert (offcache.stats()["pinned_limit_bytes"], offcache.stats()["host_limit_bytes"]) == (64 * MiB, GiB)
 
@@ -96,7 +96,7 @@ def test_stats_report_the_host_limit_without_a_disk_tier(engine_config):
 
 
 def on_memory_fs(path) -> bool:
-    return _engine.filesystem_type(str(path)) in _engine._MEMORY_FS
+    return _machine.filesystem_type(str(path)) in _machine._MEMORY_FS
 
 
 @pytest.fixture
@@ -125,9 +125,9 @@ def test_auto_without_xdg_uses_the_home_cache(engine_config, tmp_path, monkeypat
         pytest.skip(f"{tmp_path} is on a memory file system")
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert _engine.auto_disk_dir() == (str(tmp_path / ".cache" / "offcache"), "")
+    assert _machine.auto_disk_dir() == (str(tmp_path / ".cache" / "offcache"), "")
     monkeypatch.setenv("XDG_CACHE_HOME", "relative/path")  # the XDG spec: a relative path is ignored
-    assert _engine.auto_disk_dir()[0] == str(tmp_path / ".cache" / "offcache")
+    assert _machine.auto_disk_dir()[0] == str(tmp_path / ".cache" / "offcache")
 
 
 def test_crossing_the_host_limit_with_auto_lands_in_the_default_folder(engine_config, xdg):
@@ -144,7 +144,7 @@ def test_crossing_the_host_limit_with_auto_lands_in_the_default_folder(engine_co
 
 def test_auto_refuses_tmpfs_and_says_why(engine_config, monkeypatch):
     shm = "/dev/shm"
-    if _engine.filesystem_type(shm) != "tmpfs" or not os.access(shm, os.W_OK):
+    if _machine.filesystem_type(shm) != "tmpfs" or not os.access(shm, os.W_OK):
         pytest.skip("no writable tmpfs at /dev/shm")
     xdg = os.path.join(shm, f"offcache-test-{os.getpid()}")
     monkeypatch.setenv("XDG_CACHE_HOME", xdg)
@@ -159,9 +159,9 @@ def test_auto_refuses_tmpfs_and_says_why(engine_config, monkeypatch):
 def test_auto_refuses_memory_file_systems_from_mountinfo(tmp_path, fs):
     proc = fake_proc(tmp_path, "0::/\n", [("/", "/", "ext4", "rw"), ("/", str(tmp_path / "mem"), fs, "rw")])
     (tmp_path / "mem").mkdir()  # a mount point exists; the folders under it are not made to check them
-    folder, why = _engine.auto_disk_dir({"XDG_CACHE_HOME": str(tmp_path / "mem" / "cache")}, proc)
+    folder, why = _machine.auto_disk_dir({"XDG_CACHE_HOME": str(tmp_path / "mem" / "cache")}, proc)
     assert folder == "" and f"is on {fs}" in why
-    folder, why = _engine.auto_disk_dir({"XDG_CACHE_HOME": str(tmp_path / "disk")}, proc)
+    folder, why = _machine.auto_disk_dir({"XDG_CACHE_HOME": str(tmp_path / "disk")}, proc)
     assert (folder, why) == (str(tmp_path / "disk" / "offcache"), "")
 
 
@@ -171,13 +171,13 @@ def test_auto_refuses_a_full_disk_and_an_unwritable_folder(tmp_path, monkeypatch
     class Full:
         f_bavail, f_frsize = 10, 4096
 
-    monkeypatch.setattr(_engine.os, "statvfs", lambda p: Full())
-    folder, why = _engine.auto_disk_dir({"XDG_CACHE_HOME": str(tmp_path)})
+    monkeypatch.setattr(_machine.os, "statvfs", lambda p: Full())
+    folder, why = _machine.auto_disk_dir({"XDG_CACHE_HOME": str(tmp_path)})
     assert folder == "" and "has only 40KiB free (auto needs at least 1GiB)" in why
-    monkeypatch.setattr(_engine.os, "statvfs", real)
+    monkeypatch.setattr(_machine.os, "statvfs", real)
     blocker = tmp_path / "file"
     blocker.write_text("")  # XDG_CACHE_HOME is a file: no folder can be made under it
-    folder, why = _engine.auto_disk_dir({"XDG_CACHE_HOME": str(blocker)})
+    folder, why = _machine.auto_disk_dir({"XDG_CACHE_HOME": str(blocker)})
     assert folder == "" and "cannot make" in why
 
 
@@ -260,7 +260,7 @@ def test_the_host_limit_holds_at_its_peak_snapshot_staging_included(engine_confi
 
 def test_auto_on_tmpfs_falls_back_to_the_error_saying_why(engine_config, monkeypatch):
     shm = "/dev/shm"
-    if _engine.filesystem_type(shm) != "tmpfs" or not os.access(shm, os.W_OK):
+    if _machine.filesystem_type(shm) != "tmpfs" or not os.access(shm, os.W_OK):
         pytest.skip("no writable tmpfs at /dev/shm")
     monkeypatch.setenv("XDG_CACHE_HOME", os.path.join(shm, f"offcache-test-{os.getpid()}"))
     engine_config(backend="host", pinned_limit="1MiB", min_chunk="256KiB", host_limit="1MiB", disk_dir="auto")
@@ -346,7 +346,7 @@ def _cgroup_candidates(name: str) -> list[tuple[str, str, str | None]]:
             _, controllers, path = line.split(":", 2)
             own["" if controllers == "" else "memory" if "memory" in controllers.split(",") else controllers] = path
     out = []
-    for root, point, fs, opts in _engine.mounts():
+    for root, point, fs, opts in _machine.mounts():
         if fs == "cgroup2" and os.path.exists(os.path.join(point, "cgroup.controllers")):
             # A child of the mount's root: the root is exempt from the no-internal-processes rule.
             out.append((os.path.join(point, name), "memory.max", os.path.join(point, "cgroup.subtree_control")))

@@ -223,7 +223,7 @@ def test_weights_are_placed_and_onloaded_per_subgraph(engine_config):
 
 
 def test_the_weights_past_memory_go_to_disk(monkeypatch):
-    monkeypatch.setattr(offcache._engine, "usable_memory_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(offcache._machine, "usable_memory_bytes", lambda: 1 << 20)
     config = transformers.LlamaConfig(**{**TINY, "vocab_size": 4096})
     p = plan.estimate(config, samples=2, seq_len=8, dtype="float32", gpu_bytes=1 << 10)
     w = p.weights

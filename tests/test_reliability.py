@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import offcache
-from offcache import IntermediatesCache, _engine
+from offcache import IntermediatesCache, _engine, _machine
 
 
 @pytest.mark.parametrize(
@@ -22,7 +22,7 @@ def test_parse_size(text, want):
 
 
 def test_parse_size_percent_of_ram():
-    assert _engine.parse_size("50%") == _engine.usable_memory_bytes() // 2
+    assert _engine.parse_size("50%") == _machine.usable_memory_bytes() // 2
 
 
 @pytest.mark.parametrize("bad", ["lots", "12XB", "-5", "0%", "150%"])
@@ -36,7 +36,7 @@ def test_default_budget_is_shared_among_local_ranks(monkeypatch):
     alone = _engine.default_pinned_limit()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert _engine.default_pinned_limit() == alone // 4
-    assert alone <= _engine.usable_memory_bytes() // 2
+    assert alone <= _machine.usable_memory_bytes() // 2
 
 
 def test_env_budget_and_setter(monkeypatch, engine_config):

@@ -1,6 +1,6 @@
 """The store contract (a snapshot taken at the call) and the wrong-result, crash, hang and
 leak cases found by trying offcache as a user would. Host backend; GPU-only cases are in
-tests/test_gpu.py."""
+tests/test_gpu_*.py."""
 
 import gc
 import os
