@@ -223,6 +223,20 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
     held.push_back(hold(std::move(keepalive), std::move(queued)));
     EventPtr done = bounces.empty() ? issue(dir, stream, deps, ops, held.back())
                                     : issue_after_reads(dir, stream, deps, ops, held.back());
+    // From pageable host memory (a spilled block, a CPU tensor offcache does not hold) to a GPU,
+    // cudaMemcpyAsync returns only once the driver staged the source: the caller waited. (A disk
+    // group's copies are issued by the I/O thread, which does that waiting.)
+    if (dir == Dir::kFetch && !device.is_cpu() && bounces.empty()) {
+      const bool pinned_source = backend_->chunks().pinned();
+      for (const Segment& seg : segments) {
+        const bool pinned = seg.block != nullptr ? pinned_source && seg.block->pinned()
+                                                 : sources[seg.items[0]].dense.is_pinned();
+        if (!pinned) {
+          ++backend_->counters.syncs;
+          break;
+        }
+      }
+    }
     {
       auto l = lock();
       ++stats_.fetches;

@@ -55,6 +55,23 @@ def test_a_copy_stream_follows_a_disk_fetch_in_flight_without_a_host_wait(engine
     assert bool((stored == 3.0).all())
 
 
+def test_an_h2d_copy_from_pageable_memory_counts_as_a_host_wait(engine_config):
+    # cudaMemcpyAsync from pageable memory returns once the driver staged the source: the caller
+    # waited, and `syncs` says so (a spilled value); from the pinned arena it does not.
+    engine_config(backend="cuda", pinned_limit="1MiB", host_limit="1GiB", disk_dir="none")
+    small, big = torch.randn(1024), torch.randn(1 << 20)  # 4 KiB pinned, 4 MiB spilled
+    pinned, spilled = _engine.store([small], CPU)[0], _engine.store([big], CPU)[0]
+    offcache.synchronize()
+    assert pinned.is_pinned() and not spilled.is_pinned()
+    before = offcache.stats()["syncs"]
+    (a,), _ = _engine.fetch([pinned], DEV, wait=False)
+    assert offcache.stats()["syncs"] == before
+    (b,), _ = _engine.fetch([spilled], DEV, wait=False)
+    assert offcache.stats()["syncs"] == before + 1
+    torch.cuda.synchronize()
+    assert torch.equal(a.cpu(), small) and torch.equal(b.cpu(), big)
+
+
 def test_a_d2h_copy_into_pageable_memory_counts_as_a_host_wait(engine_config, tmp_path):
     # cudaMemcpyAsync into pageable memory returns only once the copy is done: the caller
     # waited, and `syncs` says so (a spilled value; a disk value past a bounce chunk's 64 MiB).
