@@ -291,7 +291,9 @@ class OffloadedSlidingLayer(_Offloaded, DynamicSlidingWindowLayer):
         shadow.__dict__.update({k: v for k, v in self.__dict__.items() if not k.startswith("_host")})
         shadow.keys, shadow.values = past if past is not None else (key_states[:, :, :0], value_states[:, :, :0])
         out = self._shadow_class.update(shadow, key_states, value_states, *args, **kwargs)
-        self.cumulative_length = shadow.cumulative_length
+        for name, value in shadow.__dict__.items():  # what the update set (cumulative_length, ...)
+            if name not in ("keys", "values") and not name.startswith("_host") and value is not self.__dict__.get(name):
+                setattr(self, name, value)
         k, v = _engine.store([shadow.keys.contiguous(), shadow.values.contiguous()], _CPU)
         self._host_k, self._host_v = [k], [v]
         self._changed()

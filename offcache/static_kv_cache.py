@@ -600,10 +600,11 @@ def _static_kv_update(
     Its one device-to-device copy per layer and step: the layer's K/V into the graph's outputs, which
     must not alias the device buffers that later layers' prefetches rewrite."""
     k, v = _run_update(key_states, value_states, cumulative_length, handle, layer_idx)
-    if k.shape != out_k.shape or v.shape != out_v.shape:  # copy_ would broadcast a shorter one silently
+    got, want = [(t.shape, t.dtype) for t in (k, v)], [(t.shape, t.dtype) for t in (out_k, out_v)]
+    if got != want:  # copy_ would broadcast a shorter one, or cast another dtype, silently
         raise RuntimeError(
-            f"OffloadedStaticKVCache: layer {layer_idx}'s update returned K/V of {tuple(k.shape)} / {tuple(v.shape)}, "
-            f"but the compiled graph expects {tuple(out_k.shape)} / {tuple(out_v.shape)}"
+            f"OffloadedStaticKVCache: layer {layer_idx}'s update returned K/V of {got}, but the compiled graph "
+            f"expects {want}"
         )
     out_k.copy_(k)
     out_v.copy_(v)

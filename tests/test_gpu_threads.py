@@ -258,24 +258,27 @@ def test_a_disk_store_in_flight_does_not_invalidate_a_graph_capture(engine_confi
     assert all(torch.equal(a, b) for a, b in zip(xs, back))
 
 
-def test_an_event_query_refused_by_a_capture_leaks_nothing(engine_config):
-    # The capturing thread's own engine calls query the ledger's events, which a thread-local capture
-    # refuses (cudaErrorStreamCaptureUnsupported: not sticky). The query says "unknown", the ledger
-    # asks again later: nothing is taken for a broken context and leaked, and the engine stays usable.
+def test_engine_calls_during_a_capture_neither_break_it_nor_leak(engine_config):
+    # The capturing thread's own engine calls query the ledger's events: a store's copy still in
+    # flight (behind a long kernel on a stream that is not captured), then the release of its block.
+    # Queries run in relaxed capture mode, so they neither invalidate the capture nor fail; a query
+    # a capture still refuses would be "unknown" (asked again later), never a broken context.
     engine_config(backend="cuda")
     x = torch.randn(1 << 22, device=DEV)
-    torch.cuda._sleep(100_000_000)
-    (first,) = _engine.store([x], CPU)  # its copy still in flight during the capture
+    side = torch.cuda.Stream(DEV)
     g = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(g, capture_error_mode="thread_local"):
-            static_out = x * 2
-            offcache.stats()  # reaps: queries the store's event
-    except RuntimeError:
-        pass  # the capture may be invalidated; the engine must not be
+    with torch.cuda.graph(g, capture_error_mode="thread_local"):
+        static_out = x * 2
+        with torch.cuda.stream(side):  # not captured: runs now
+            torch.cuda._sleep(200_000_000)
+            (stored,) = _engine.store([x], CPU)  # its D2H copy follows `side`: still in flight
+        assert offcache.stats()["leaked_blocks"] == 0  # reaps: queries the pending copy's event
+        del stored  # its block's release queries the copy's event too
+    g.replay()
     torch.cuda.synchronize()
     offcache.synchronize()
+    assert torch.equal(static_out, x * 2)
     assert offcache.stats()["leaked_blocks"] == 0
-    (back,), _ = _engine.fetch([first], DEV)
-    assert torch.equal(back, x)
-    del static_out
+    (again,) = _engine.store([x], CPU)  # the engine is not sticky
+    _engine.wait_stored(again)
+    assert torch.equal(again, x.cpu())

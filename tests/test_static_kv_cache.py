@@ -452,6 +452,7 @@ def test_reduce_overhead_copies_no_layer_kv_into_cuda_graph_inputs(monkeypatch):
     finally:
         model.forward = forward
         torch._dynamo.reset()
+    assert copied, "no replay copied any input: the graphs did not replay, or the copy moved"  # ids do
     layer = cache.layers[0]
     kv_shapes = {tuple(layer.keys.shape), tuple(layer.values.shape)}
     assert not [s for s in copied if s in kv_shapes], copied
