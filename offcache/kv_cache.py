@@ -171,17 +171,17 @@ class _Offloaded:
 
     # transformers' operations, on the host K/V -------------------------------------------------
 
-    def _shadow(self):
-        """A plain transformers layer holding this layer's host K/V (and length state)."""
+    def _shadow(self, keys: torch.Tensor, values: torch.Tensor):
+        """A plain transformers layer holding `keys`/`values` and this layer's other state (length, ...)."""
         shadow = self._shadow_class.__new__(self._shadow_class)
         shadow.__dict__.update({k: v for k, v in self.__dict__.items() if not k.startswith("_host")})
-        shadow.keys, shadow.values = self._joined()  # the result is stored, not this
+        shadow.keys, shadow.values = keys, values  # what transformers' code leaves there is stored, not these
         return shadow
 
     def _run_on_host(self, op: str, *args) -> None:
         if not self._host_k:  # nothing cached: nothing to change
             return
-        shadow = self._shadow()
+        shadow = self._shadow(*self._joined())
         before = shadow.keys, shadow.values
         getattr(self._shadow_class, op)(shadow, *args)  # transformers' own code: its rules and errors
         for name in ("cumulative_length", "record_past"):
@@ -287,9 +287,7 @@ class OffloadedSlidingLayer(_Offloaded, DynamicSlidingWindowLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         past = self._past()
-        shadow = self._shadow_class.__new__(self._shadow_class)
-        shadow.__dict__.update({k: v for k, v in self.__dict__.items() if not k.startswith("_host")})
-        shadow.keys, shadow.values = past if past is not None else (key_states[:, :, :0], value_states[:, :, :0])
+        shadow = self._shadow(*(past if past is not None else (key_states[:, :, :0], value_states[:, :, :0])))
         out = self._shadow_class.update(shadow, key_states, value_states, *args, **kwargs)
         for name, value in shadow.__dict__.items():  # what the update set (cumulative_length, ...)
             if name not in ("keys", "values") and not name.startswith("_host") and value is not self.__dict__.get(name):

@@ -1,7 +1,11 @@
 """Deep comparison of cached values and the value shapes the tests store."""
 
+import os
+import subprocess
+import sys
 from collections import OrderedDict, namedtuple
 from dataclasses import dataclass, fields, is_dataclass
+from pathlib import Path
 
 import torch
 
@@ -128,3 +132,10 @@ def random_file(path, nbytes: int, seed: int = 0):
 def raw(t: torch.Tensor) -> bytes:
     """A tensor's bytes, as written (any dtype)."""
     return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def run_with_this_checkout(script: str, cwd, timeout: float) -> subprocess.CompletedProcess:
+    """`script` in a fresh interpreter in `cwd`, importing this checkout's offcache first."""
+    root = str(Path(__file__).resolve().parent.parent)
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                          env={**os.environ, "PYTHONPATH": root})  # fmt: skip

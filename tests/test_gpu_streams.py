@@ -495,14 +495,29 @@ def test_a_packed_fetch_makes_one_device_allocation_and_one_handover():
     assert torch.cuda.memory_allocated(DEV) < held
 
 
-def test_offcache_record_stream_keeps_a_packed_span_from_reuse_on_that_stream():
-    # torch's record_stream does not reach the span a small fetched value lives in (the allocator
-    # knows only the span); offcache.record_stream records the span itself.
+def _packed_values_and_zeros():
+    """8 small values stored together (one span when fetched), 8 zeros likewise, and a side stream."""
     xs = [torch.randn(1 << 16) for _ in range(8)]
     stored = _engine.store(xs, CPU)
     zeros = _engine.store([torch.zeros(1 << 16) for _ in range(8)], CPU)
     offcache.synchronize()
-    side = torch.cuda.Stream(DEV)
+    return xs, stored, zeros, torch.cuda.Stream(DEV)
+
+
+def _assert_side_read_before_reuse(totals, xs, zeros):
+    """The zeros, fetched into the span's memory once it may be reused, did not overwrite what the
+    side stream read."""
+    again, _ = _engine.fetch(zeros, DEV, True)
+    torch.cuda.synchronize()
+    for t, x in zip(totals, xs):
+        assert torch.allclose(t.cpu(), x.sum(), rtol=1e-4, atol=1e-2)
+    assert all(int(a.count_nonzero()) == 0 for a in again)
+
+
+def test_offcache_record_stream_keeps_a_packed_span_from_reuse_on_that_stream():
+    # torch's record_stream does not reach the span a small fetched value lives in (the allocator
+    # knows only the span); offcache.record_stream records the span itself.
+    xs, stored, zeros, side = _packed_values_and_zeros()
     outs, _ = _engine.fetch(stored, DEV, True)
     side.wait_stream(torch.cuda.current_stream(DEV))
     with torch.cuda.stream(side):
@@ -511,29 +526,17 @@ def test_offcache_record_stream_keeps_a_packed_span_from_reuse_on_that_stream():
     for o in outs:
         offcache.record_stream(o, side)
     del outs, o
-    again, _ = _engine.fetch(zeros, DEV, True)
-    torch.cuda.synchronize()
-    for t, x in zip(totals, xs):
-        assert torch.allclose(t.cpu(), x.sum(), rtol=1e-4, atol=1e-2)
-    assert all(int(a.count_nonzero()) == 0 for a in again)
+    _assert_side_read_before_reuse(totals, xs, zeros)
 
 
 def test_a_ticket_waited_on_a_side_stream_keeps_a_packed_span_from_reuse_there():
     # The ticket's hand-off to `side` records the span's allocation, not the outputs (storages
     # inside it, which the allocator does not know).
-    xs = [torch.randn(1 << 16) for _ in range(8)]
-    stored = _engine.store(xs, CPU)
-    zeros = _engine.store([torch.zeros(1 << 16) for _ in range(8)], CPU)
-    offcache.synchronize()
-    side = torch.cuda.Stream(DEV)
+    xs, stored, zeros, side = _packed_values_and_zeros()
     outs, ticket = _engine.fetch(stored, DEV, wait=False)
     with torch.cuda.stream(side):
         ticket.wait()
         torch.cuda._sleep(200_000_000)
         totals = [o.sum() for o in outs]
     del outs
-    again, _ = _engine.fetch(zeros, DEV, True)
-    torch.cuda.synchronize()
-    for t, x in zip(totals, xs):
-        assert torch.allclose(t.cpu(), x.sum(), rtol=1e-4, atol=1e-2)
-    assert all(int(a.count_nonzero()) == 0 for a in again)
+    _assert_side_read_before_reuse(totals, xs, zeros)

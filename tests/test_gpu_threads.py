@@ -7,7 +7,7 @@ import torch
 
 import offcache
 from offcache import _engine
-from tests.helpers import CPU
+from tests.helpers import CPU, run_with_this_checkout
 
 pytestmark = pytest.mark.gpu
 
@@ -125,9 +125,6 @@ def test_a_sticky_error_while_reaping_raises_and_does_not_deadlock(tmp_path):
     # store (CPU to CPU, slowed) listed before a GPU fetch completes; reaping retires it (its
     # arena staging buffer held by the ledger only), then the fetch's query raises: the buffer
     # used to die under the engine's lock and its release to take that lock again (a hang).
-    import os
-    import subprocess
-    import sys
     import textwrap
 
     script = textwrap.dedent(
@@ -155,11 +152,7 @@ def test_a_sticky_error_while_reaping_raises_and_does_not_deadlock(tmp_path):
         os._exit(0)
         """
     )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's offcache
-    proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": root},
-    )  # fmt: skip
+    proc = run_with_this_checkout(script, tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "raised:" in proc.stdout and "survived" in proc.stdout, proc.stdout
 

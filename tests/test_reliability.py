@@ -10,6 +10,7 @@ import torch
 
 import offcache
 from offcache import IntermediatesCache, _engine, _machine
+from tests.helpers import run_with_this_checkout
 
 
 @pytest.mark.parametrize(
@@ -181,11 +182,7 @@ def test_a_query_that_fails_while_reaping_raises_and_does_not_deadlock(tmp_path)
         print("survived", flush=True)
         """
     )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's offcache
-    proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": root},
-    )  # fmt: skip
+    proc = run_with_this_checkout(script, tmp_path, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "survived" in proc.stdout
 
