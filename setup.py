@@ -14,7 +14,9 @@ offcache/_C_build.json records it next to the engine.
 import json
 import os
 import re
+import shlex
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -54,6 +56,51 @@ def find_cuda_toolkit() -> str | None:
         if c and (Path(c) / "include" / "cuda_runtime_api.h").exists():
             return c
     return None
+
+
+def _ask_compiler(cxx: list[str], *args: str) -> str:
+    try:
+        done = subprocess.run([*cxx, *args], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def static_libstdcxx(cxx: list[str]) -> str | None:
+    """The libstdc++_nonshared.a that the C++ compiler `cxx` links into every shared object, or
+    None. Red Hat's devtoolset / gcc-toolset compilers do (so do the manylinux images' /opt
+    compilers); copied onto another system, the pieces they link in keep a std::locale of their
+    own, unlike the libstdc++ that torch loads, and the engine's numbers in messages come out empty
+    or crash the process (seen on a GPU machine whose CXX was such a compiler)."""
+    found = _ask_compiler(cxx, "-print-file-name=libstdc++_nonshared.a")
+    return found if os.path.isabs(found) and os.path.exists(found) else None
+
+
+def choose_cxx() -> None:
+    """Keeps the C++ compiler torch's build helpers would use (CXX, else c++) unless it links pieces
+    of libstdc++ statically and a system g++ (9 or newer, for C++17) that does not is at hand: then
+    CXX and CC name that one, and the choice is printed."""
+    chosen = shlex.split(os.environ.get("CXX", "c++")) or ["c++"]
+    nonshared = static_libstdcxx(chosen)
+    if nonshared is None:
+        return
+    first = os.path.realpath(shutil.which(chosen[0]) or chosen[0])
+    for cand in ("/usr/bin/g++", "/usr/bin/c++", shutil.which("g++"), shutil.which("c++")):
+        if not cand or not os.path.exists(cand) or os.path.realpath(cand) == first:
+            continue
+        major = _ask_compiler([cand], "-dumpversion").split(".")[0]
+        if not major.isdigit() or int(major) < 9 or static_libstdcxx([cand]) is not None:
+            continue
+        cc = cand[: -len("g++")] + "gcc" if cand.endswith("g++") else cand[: -len("c++")] + "cc"
+        os.environ["CXX"] = cand
+        if os.path.exists(cc):
+            os.environ["CC"] = cc
+        print(
+            f"offcache: building with {cand}, not {' '.join(chosen)}: that compiler links pieces of "
+            f"libstdc++ into every shared object ({nonshared}), which disagree with the libstdc++ "
+            "torch loads"
+        )
+        return
 
 
 TOOLKIT = find_cuda_toolkit()
@@ -112,6 +159,9 @@ def extension():
         print("offcache: building the host-only engine: " + "; ".join(reasons))
     macros = [("OFFCACHE_TORCH_VERSION", f'"{torch.__version__}"')]
     flags = ["-O3", "-Wall", "-Wno-unused-parameter"]
+    # The libstdc++ ABI torch was built with, named explicitly (torch's build helpers stopped
+    # passing it): a compiler whose default differs would lay out std::string unlike libc10 does.
+    flags.append(f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}")
     if with_cuda:
         macros.append(("OFFCACHE_WITH_CUDA", None))
         return CUDAExtension(
@@ -166,13 +216,66 @@ class Build(BuildExtension):  # ninja by default (with_options passes kwargs old
                 "engine_bytes": engine.stat().st_size,
             }
             (engine.parent / "_C_build.json").write_text(json.dumps(record, indent=1) + "\n")
+            check_engine(engine)
+
+    def copy_extensions_to_source(self):
+        """An in-place build (setuptools builds into build/, then copies the engine beside the
+        sources) takes the engine's record along: offcache/_engine.py reads it there."""
+        super().copy_extensions_to_source()
+        for ext in self.extensions:
+            self.inplace = 0
+            built = Path(self.get_ext_fullpath(ext.name)).parent / "_C_build.json"
+            self.inplace = 1
+            shutil.copyfile(built, Path(self.get_ext_fullpath(ext.name)).parent / "_C_build.json")
+
+
+FORMAT_CHECK = """
+import importlib.util, sys, torch
+spec = importlib.util.spec_from_file_location("offcache._C", sys.argv[1])
+engine = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(engine)
+print(engine._format_check(2147483648))
+"""
+
+
+def check_engine(engine: Path) -> None:
+    """Loads the engine just built, beside torch, and has it format a number as its messages do.
+    A build whose numbers come out wrong (pieces of libstdc++ linked into it) is removed, with the
+    reason, instead of crashing its first error message."""
+    want = "[2147483648, 0.5]"
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", FORMAT_CHECK, str(engine)], capture_output=True, text=True, timeout=600
+        )
+        got, why = done.stdout.strip(), done.stderr.strip()[-800:] or f"exit status {done.returncode}"
+    except subprocess.SubprocessError as e:
+        got, why = "", str(e)
+    if got == want:
+        return
+    engine.unlink(missing_ok=True)
+    cxx = os.environ.get("CXX", "c++")
+    nonshared = static_libstdcxx(shlex.split(cxx) or ["c++"])
+    cause = (
+        f"{cxx} links pieces of libstdc++ into it ({nonshared}), which disagree with the libstdc++ torch loads"
+        if nonshared
+        else f"built with {cxx}"
+    )
+    ran = f"; loading it: {why}" if not got else ""
+    raise RuntimeError(
+        f"offcache: the engine just built formats 2147483648 and 0.5 as {got!r}, not {want!r} ({cause}{ran}). "
+        "Every error message with a number would be wrong or crash the process, so the build was removed. "
+        "Build with the system compiler, e.g. CXX=/usr/bin/g++ CC=/usr/bin/gcc pip install --no-build-isolation ."
+    )
 
 
 # Static metadata (name, extras, scripts) is in pyproject.toml; the version and the requirements
-# name the torch this build is for, so they are computed here.
-setup(
-    version=version(),
-    install_requires=requirements(),
-    ext_modules=ext_modules(),
-    cmdclass={"build_ext": Build},
-)
+# name the torch this build is for, so they are computed here. setuptools' build backend and
+# `python setup.py` run this file as __main__; tests import it for its build checks.
+if __name__ == "__main__":
+    choose_cxx()
+    setup(
+        version=version(),
+        install_requires=requirements(),
+        ext_modules=ext_modules(),
+        cmdclass={"build_ext": Build},
+    )

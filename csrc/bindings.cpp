@@ -277,6 +277,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("host_copy_delay_us"), py::arg("disk_dir") = "", py::arg("host_limit") = SIZE_MAX,
         py::call_guard<py::gil_scoped_release>(),
         "Replace the process-wide engine (earlier stored tensors keep working).");
+  // The engine's messages format numbers through libstdc++'s streams (c10::str). A compiler that
+  // links pieces of libstdc++ into this module (Red Hat devtoolset's libstdc++_nonshared.a) gives
+  // it a second std::locale::id numbering: numbers then come out empty or crash the process.
+  // setup.py calls this right after the build, and tests/test_install.py too.
+  m.def(
+      "_format_check", [](uint64_t value) { return c10::str("[", value, ", ", 0.5, "]"); },
+      py::arg("value"), "Build check: the string '[value, 0.5]' as the engine formats it.");
   m.attr("cuda_compiled") = offcache::cuda_compiled();
   m.attr("torch_version") = OFFCACHE_TORCH_VERSION;
 #ifdef OFFCACHE_WITH_CUDA

@@ -118,6 +118,9 @@ def _fail_next_copy() -> None:
 def _fail_next_task() -> None:
     """Tests: the next host copy task fails on its worker thread."""
 
+def _format_check(value: int) -> str:
+    """Build check: the string '[value, 0.5]' as the engine formats it."""
+
 def _fail_query_after(skip: int, transient: bool = False) -> None:
     """Tests: the event query after the next `skip` ones raises, once."""
 

@@ -1,0 +1,117 @@
+"""The build's own checks: the compiler it picks, and an engine whose numbers come out wrong.
+
+On a GPU machine whose CXX was a Red Hat devtoolset compiler (it links pieces of libstdc++ into
+every shared object), every engine message with a number crashed the process: the pieces keep a
+std::locale numbering of their own. Here a module linked with -static-libstdc++ shows the same
+fault (its numbers come out empty), so the check that catches it can be tested on any machine.
+"""
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from offcache import _C
+
+ROOT = Path(__file__).resolve().parent.parent
+
+FORMATTER = r"""
+#include <Python.h>
+#include <sstream>
+static PyObject* format_check(PyObject*, PyObject* arg) {
+  std::ostringstream s;
+  s << "[" << static_cast<unsigned long>(PyLong_AsUnsignedLongLong(arg)) << ", " << 0.5 << "]";
+  return PyUnicode_FromString(s.str().c_str());
+}
+static PyMethodDef methods[] = {{"_format_check", format_check, METH_O, ""}, {nullptr, nullptr, 0, nullptr}};
+static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
+PyMODINIT_FUNC PyInit__C() { return PyModule_Create(&module); }
+"""
+
+
+@pytest.fixture
+def setup_py(monkeypatch):
+    """setup.py as a module (its setup() call runs only as __main__); the environment it touches is restored."""
+    for name in ("CXX", "CC", "CUDA_HOME"):  # registered with monkeypatch, so restored afterwards
+        if name in os.environ:
+            monkeypatch.setenv(name, os.environ[name])
+        else:
+            monkeypatch.delenv(name, raising=False)
+    spec = importlib.util.spec_from_file_location("offcache_setup_under_test", ROOT / "setup.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_engine_formats_numbers_as_its_messages_need():
+    assert _C._format_check(2147483648) == "[2147483648, 0.5]"
+    with pytest.raises(ValueError) as raised:
+        _C.configure("host", 1 << 30, 2 << 30, 1 << 30, 0)
+    assert "[1, 1073741824] bytes, got 2147483648" in str(raised.value)
+
+
+def _compile(tmp_path: Path, name: str, *flags: str) -> Path:
+    source = tmp_path / "formatter.cpp"
+    source.write_text(FORMATTER)
+    out = tmp_path / name / "_C.so"
+    out.parent.mkdir()
+    include = sysconfig.get_paths()["include"]
+    subprocess.run(["g++", "-O1", "-fPIC", "-shared", f"-I{include}", str(source), "-o", str(out), *flags],
+                   check=True, capture_output=True, timeout=300)  # fmt: skip
+    return out
+
+
+def _static_libstdcxx_available() -> bool:
+    if shutil.which("g++") is None:
+        return False
+    found = subprocess.run(["g++", "-print-file-name=libstdc++.a"], capture_output=True, text=True).stdout.strip()
+    return os.path.isabs(found) and os.path.exists(found)
+
+
+@pytest.mark.skipif(not _static_libstdcxx_available(), reason="needs g++ with a static libstdc++ (libstdc++.a)")
+def test_the_build_check_removes_an_engine_whose_numbers_come_out_wrong(setup_py, tmp_path):
+    good = _compile(tmp_path, "good")
+    setup_py.check_engine(good)  # loads beside torch, formats right: kept
+    assert good.exists()
+    bad = _compile(tmp_path, "bad", "-static-libstdc++", "-Wl,-Bsymbolic-functions")
+    with pytest.raises(RuntimeError, match=r"formats 2147483648 and 0\.5 as '.*', not '\[2147483648, 0\.5\]'") as e:
+        setup_py.check_engine(bad)
+    assert not bad.exists(), "a broken engine must not stay where the package would load it"
+    assert "CXX=/usr/bin/g++" in str(e.value)
+
+
+def _fake_devtoolset(tmp_path: Path) -> Path:
+    """A compiler that says it links libstdc++_nonshared.a, as Red Hat's devtoolset does."""
+    archive = tmp_path / "libstdc++_nonshared.a"
+    archive.write_bytes(b"!<arch>\n")
+    cxx = tmp_path / "devtoolset-g++"
+    cxx.write_text(f'#!/bin/sh\n[ "$1" = -print-file-name=libstdc++_nonshared.a ] && echo {archive} && exit 0\n'
+                   'exec g++ "$@"\n')  # fmt: skip
+    cxx.chmod(0o755)
+    return cxx
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/bin/g++"), reason="needs a system g++ in /usr/bin")
+def test_a_compiler_that_links_libstdcxx_pieces_is_replaced_by_the_system_one(setup_py, tmp_path, monkeypatch,
+                                                                               capsys):  # fmt: skip
+    if setup_py.static_libstdcxx(["/usr/bin/g++"]) is not None:
+        pytest.skip("the system g++ itself links libstdc++ pieces here")
+    fake = _fake_devtoolset(tmp_path)
+    assert setup_py.static_libstdcxx([str(fake)]) == str(tmp_path / "libstdc++_nonshared.a")
+    monkeypatch.setenv("CXX", str(fake))
+    setup_py.choose_cxx()
+    assert os.environ["CXX"] in ("/usr/bin/g++", "/usr/bin/c++", shutil.which("g++"), shutil.which("c++"))
+    assert os.environ["CXX"] != str(fake)
+    assert f"not {fake}" in capsys.readouterr().out
+
+
+def test_an_ordinary_compiler_is_kept(setup_py, monkeypatch):
+    if shutil.which("g++") is None or setup_py.static_libstdcxx(["g++"]) is not None:
+        pytest.skip("needs a g++ that links libstdc++ only as a shared library")
+    monkeypatch.setenv("CXX", "g++")
+    setup_py.choose_cxx()
+    assert os.environ["CXX"] == "g++"
