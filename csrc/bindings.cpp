@@ -280,7 +280,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The engine's messages format numbers through libstdc++'s streams (c10::str). A compiler that
   // links pieces of libstdc++ into this module (Red Hat devtoolset's libstdc++_nonshared.a) gives
   // it a second std::locale::id numbering: numbers then come out empty or crash the process.
-  // setup.py calls this right after the build, and tests/test_install.py too.
+  // setup.py calls this right after the build; tests/test_build_checks.py too.
   m.def(
       "_format_check", [](uint64_t value) { return c10::str("[", value, ", ", 0.5, "]"); },
       py::arg("value"), "Build check: the string '[value, 0.5]' as the engine formats it.");

@@ -27,6 +27,47 @@ struct Segment {
   HostBlock* block;
 };
 
+// Every output is a storage of its own, whatever the dedup did: values whose
+// bytes overlap in a span (one stored copy fetched twice, views of one value)
+// would share memory there. All but the first of each overlap leave the span
+// for an allocation of their own; a span left with one value copies only it.
+void split_overlapping(std::vector<Segment>* segments, const std::vector<Source>& sources) {
+  const auto begin_of = [&](size_t i) {
+    return static_cast<const char*>(sources[i].dense.data_ptr());
+  };
+  const size_t count = segments->size();
+  for (size_t k = 0; k < count; ++k) {
+    if ((*segments)[k].items.size() < 2) continue;
+    std::vector<size_t> items = (*segments)[k].items;
+    std::sort(items.begin(), items.end(),
+              [&](size_t a, size_t b) { return begin_of(a) < begin_of(b); });
+    std::vector<size_t> kept, apart;
+    const char* end = nullptr;  // the furthest byte a kept value reaches
+    for (size_t i : items) {
+      const char* p = begin_of(i);
+      if (end != nullptr && p < end) {
+        apart.push_back(i);
+        continue;
+      }
+      kept.push_back(i);
+      end = p + sources[i].dense.nbytes();
+    }
+    if (apart.empty()) continue;
+    Segment& seg = (*segments)[k];
+    std::sort(kept.begin(), kept.end());  // the caller's order, as before
+    seg.items = std::move(kept);
+    if (seg.items.size() == 1) {
+      seg.begin = begin_of(seg.items[0]);
+      seg.length = seg.payload = sources[seg.items[0]].dense.nbytes();
+    }
+    HostBlock* block = seg.block;  // seg is not used past this push_back
+    for (size_t i : apart) {
+      const size_t bytes = sources[i].dense.nbytes();
+      segments->push_back(Segment{begin_of(i), bytes, bytes, {i}, block});
+    }
+  }
+}
+
 }  // namespace
 
 Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device device,
@@ -116,6 +157,7 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
       }
       segments.push_back(Segment{p, bytes, bytes, {i}, s.block});
     }
+    split_overlapping(&segments, sources);
     // Spans start at a kPackAlign boundary of their block, so every value keeps
     // its alignment inside the staging buffer.
     for (auto& seg : segments) {

@@ -20,7 +20,7 @@ from dataclasses import fields, is_dataclass
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -301,3 +301,54 @@ def test_cache_agrees_with_dict_model(engine):
 
 def test_stores_are_snapshots_under_the_dict_model(engine):
     run_machine(SnapshotMachine, engine)
+
+
+# Every fetched output is a storage of its own, whatever dedup and packing did. One stored copy
+# serves a tensor stored under two names (dedup); small values move as one span and come out
+# inside one allocation (packing): two places of one stored copy once came out at the same
+# address of the span, so an edit of one changed the other.
+SIZES = [16, 1000, (1 << 18) + 16]  # float32 elements: 64 B, 4 KB (packed), just past the 1 MiB threshold
+nested_ref = st.recursive(
+    st.integers(0, 3),
+    lambda inner: st.one_of(
+        st.lists(inner, min_size=1, max_size=3).map(tuple),
+        st.lists(inner, min_size=1, max_size=3),
+        st.dictionaries(st.sampled_from(["a", "b"]), inner, min_size=1, max_size=2),
+    ),
+    max_leaves=6,
+)
+
+
+def _build_refs(spec, pool):
+    if isinstance(spec, int):
+        return pool[spec]
+    if isinstance(spec, dict):
+        return {k: _build_refs(v, pool) for k, v in spec.items()}
+    return type(spec)(_build_refs(v, pool) for v in spec)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    sizes=st.lists(st.sampled_from(SIZES), min_size=4, max_size=4),
+    specs=st.dictionaries(st.sampled_from(NAMES), nested_ref, min_size=1, max_size=4),
+    views=st.booleans(),
+)
+def test_every_fetched_output_is_independent(engine, sizes, specs, views):
+    pool = [torch.randn(n, generator=torch.Generator().manual_seed(i)) for i, n in enumerate(sizes)]
+    if views:  # views of one base too: overlapping bytes in the same stored block
+        pool[1] = pool[0][: max(1, pool[0].numel() // 2)]
+    cache = IntermediatesCache.empty(1, "cpu")
+    values = {name: _build_refs(spec, pool) for name, spec in specs.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", offcache.SpillWarning)
+        cache.update(0, values)
+    got = cache.fetch(0)
+    leaves = tensors_in(got, unique=False)
+    want = [t.clone() for t in tensors_in(values, unique=False)]
+    assert len(leaves) == len(want)
+    for k, leaf in enumerate(leaves):
+        leaf.add_(k + 1)  # an edit of one output ...
+        want[k] += k + 1
+        for j, other in enumerate(leaves):  # ... shows in that output only
+            assert torch.equal(other, want[j]), f"editing output {k} changed output {j} ({len(leaves)} outputs)"
+    assert_same(cache.fetch(0), values)  # and never in the cache
