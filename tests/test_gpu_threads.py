@@ -24,6 +24,7 @@ def cuda_engine(engine_config):
 
 def test_cuda_engine_refuses_forked_child():
     import multiprocessing as mp
+    import queue
 
     _engine.store([torch.randn(10, device=DEV)], CPU)
     ctx = mp.get_context("fork")
@@ -39,7 +40,16 @@ def test_cuda_engine_refuses_forked_child():
     p = ctx.Process(target=child, args=(q,))
     p.start()
     p.join(60)
-    assert "forked child" in q.get(timeout=5)
+    if p.is_alive():
+        p.kill()
+        p.join(5)
+        pytest.fail("the forked child still ran after 60 s (killed)")
+    try:
+        said = q.get(timeout=5)
+    except queue.Empty:
+        # A negative exit code is the signal that ended it (-11: SIGSEGV).
+        pytest.fail(f"the forked child said nothing: exit code {p.exitcode}")
+    assert "forked child" in said, (said, p.exitcode)
 
 
 def test_sticky_cuda_error_does_not_abort_on_release(tmp_path):
