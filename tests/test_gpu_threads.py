@@ -262,10 +262,11 @@ def test_a_disk_store_in_flight_does_not_invalidate_a_graph_capture(engine_confi
 
 
 def test_engine_calls_during_a_capture_neither_break_it_nor_leak(engine_config):
-    # The capturing thread's own engine calls query the ledger's events: a store's copy still in
-    # flight (behind a long kernel on a stream that is not captured), then the release of its block.
-    # Queries run in relaxed capture mode, so they neither invalidate the capture nor fail; a query
-    # a capture still refuses would be "unknown" (asked again later), never a broken context.
+    # The capturing thread's own engine calls: a store on a stream that is not captured (its staging
+    # buffer's cudaMalloc, a new chunk's cudaHostRegister), queries of the ledger's events (its copy
+    # still in flight behind a long kernel), then the release of its block. Engine calls run in
+    # relaxed capture mode, so they neither invalidate the capture nor fail; a query a capture still
+    # refuses would be "unknown" (asked again later), never a broken context.
     engine_config(backend="cuda")
     x = torch.randn(1 << 22, device=DEV)
     side = torch.cuda.Stream(DEV)
