@@ -13,7 +13,7 @@
 # a GPU can judge come first. pytest runs on the machine's cores with pytest-xdist (carried).
 #   wheels   install the carried .whl/ (scripts/device_wheels.sh) into a folder on PYTHONPATH
 #   build    OFFCACHE_FORCE_CUDA=1 MAX_JOBS=16 setup.py build_ext --inplace
-#   gpu      pytest -m gpu (4 workers: they share the GPU)
+#   gpu      pytest -m gpu (4 workers: they share the GPU; -v -rfE: failing tests named in the summary)
 #   tests    the rest of the suite (not gpu, not slow) on the CUDA backend, on every core;
 #            in a dry run, only the files that drive the CUDA path's logic; test_bench.py and
 #            test_soak.py are left to the bench, kv and soak steps, which run the same code larger
@@ -109,14 +109,29 @@ def row(rows, **match):
 out = []
 r = load()
 if what == "tests":
+    # pytest -v prints each test's outcome as it ends ("[gw3] [ 4%] FAILED tests/x.py::t" under
+    # xdist, "tests/x.py::t FAILED [ 4%]" without), -rfE lists them again at the end ("FAILED
+    # tests/x.py::t - why"): the failures are named even when the step is killed at its deadline.
     with open(path, errors="replace") as f:
-        lines = [ln.strip("= \n") for ln in f if re.search(r"\d+ (passed|failed|errors?|skipped|deselected)", ln)]
-    fails = []
-    with open(path, errors="replace") as f:
-        fails = [ln.split()[1] for ln in f if ln.startswith(("FAILED ", "ERROR "))]
-    out.append(lines[-1] if lines else "no pytest summary line")
+        log = f.read().splitlines()
+    lines = [ln.strip("= ") for ln in log if re.search(r"\d+ (passed|failed|errors?|skipped|deselected).* in [0-9.]+s", ln)]
+    outcome = re.compile(r"(?:^|\] )(PASSED|FAILED|ERROR) (\S+::\S+)|^(\S+::\S+) (PASSED|FAILED|ERROR)\b")
+    seen = {}
+    for ln in log:
+        m = outcome.search(ln)
+        if m:
+            word, name = (m[1], m[2]) if m[1] else (m[4], m[3])
+            if word != "PASSED" or name not in seen:  # an error at teardown follows PASSED
+                seen[name] = word
+    # "test_gpu_disk::test_x[a]" for tests/test_gpu_disk.py::test_x[a]: more of them fit the line.
+    fails = [re.sub(r"^(?:tests/)?(\S+?)\.py::", r"\1::", name) for name, word in seen.items() if word != "PASSED"]
+    if lines:
+        out.append(lines[-1])
+    else:
+        passed = sum(word == "PASSED" for word in seen.values())
+        out.append(f"no pytest summary line ({passed} passed, {len(fails)} failed or errors before it stopped)")
     if fails:
-        out.append("failed: " + ", ".join(fails[:6]) + (" ..." if len(fails) > 6 else ""))
+        out.append("failed: " + ", ".join(fails[:10]) + (f" ... ({len(fails)} in all)" if len(fails) > 10 else ""))
 elif what == "build":
     if r:
         out.append(f"offcache {r.get('version')}, torch {r.get('torch')}, backend {r.get('backend')}")
@@ -195,7 +210,7 @@ elif what == "soak":
 print("; ".join(out))
 EOF
 
-headline() { "$PY" "$WORK/headline.py" "$@" 2>/dev/null | head -c 400; }
+headline() { "$PY" "$WORK/headline.py" "$@" 2>/dev/null | head -c 1200; }
 
 NAMES=(wheels build gpu tests bench weights oneshot kv soak)
 declare -A DEADLINE CMD WHY HEAD
@@ -207,13 +222,16 @@ CMD[wheels]="ls .whl/*.whl >/dev/null 2>&1 || { echo 'no .whl/: run bash scripts
   '$PY' -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target '$SITE' .whl/*.whl"
 CMD[build]="OFFCACHE_FORCE_CUDA=1 MAX_JOBS=16 '$PY' setup.py build_ext --inplace &&
   '$PY' -c 'import json, offcache; info = offcache.build_info(); print(json.dumps(info)); assert info[\"backend\"] == \"cuda\", info' >'$LOGS/build_info.json'"
-CMD[gpu]="'$PY' -m pytest -q -p no:cacheprovider \$(bash '$WORK/xdist' 4) -m gpu tests"
+# -v -rfE: one line per test as it ends and the failures again at the end, so that the summary
+# names the failing tests even when a step is killed at its deadline (headline.py reads both).
+PYTEST="-m pytest -v -rfE --tb=short -p no:cacheprovider"
+CMD[gpu]="'$PY' $PYTEST \$(bash '$WORK/xdist' 4) -m gpu tests"
 # The files that drive the CUDA path's scheduling (the dry run runs only these).
 CORE_TESTS="tests/test_engine.py tests/test_snapshot.py tests/test_memory.py tests/test_costs.py tests/test_config.py"
 if [ "$DRY" = 1 ]; then
-  CMD[tests]="'$PY' -m pytest -q -p no:cacheprovider \$(bash '$WORK/xdist' 2) -m 'not gpu and not slow' $CORE_TESTS"
+  CMD[tests]="'$PY' $PYTEST \$(bash '$WORK/xdist' 2) -m 'not gpu and not slow' $CORE_TESTS"
 else
-  CMD[tests]="'$PY' -m pytest -q -p no:cacheprovider \$(bash '$WORK/xdist' \$(nproc)) -m 'not gpu and not slow' tests \
+  CMD[tests]="'$PY' $PYTEST \$(bash '$WORK/xdist' \$(nproc)) -m 'not gpu and not slow' tests \
     --ignore=tests/test_bench.py --ignore=tests/test_soak.py \
     --ignore=tests/test_weights_properties.py --ignore=tests/test_bench_weights.py \
     --ignore=tests/test_file_adversarial.py"

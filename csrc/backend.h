@@ -145,6 +145,16 @@ class Backend {
   // relaxes the thread's capture mode (it never captures a graph, so its calls
   // must not invalidate a capture on another thread). Counted once per thread.
   virtual void prepare_thread() = 0;
+  // Held by every engine call made through EngineUse, on the caller's thread, for the call's
+  // length (null: nothing to hold). On CUDA it relaxes the thread's capture mode: a thread that
+  // captures a graph on one stream may call the engine for work on other streams (the engine
+  // refuses a capturing stream itself), and the engine's own calls on that thread (a staging
+  // buffer's cudaMalloc, a chunk's cudaHostRegister, an event query or wait) must neither fail
+  // nor invalidate the capture. The mode is restored when the call returns.
+  struct CallScope {
+    virtual ~CallScope() = default;
+  };
+  virtual std::unique_ptr<CallScope> enter_call() const { return nullptr; }
   // False in a forked child of a process whose engine cannot cross fork (CUDA).
   virtual bool in_owner_process() const { return true; }
   // Raises the fork error where in_owner_process() is false.

@@ -312,6 +312,11 @@ class PinnedSource : public ChunkSource {
   PageSource pages_;
 };
 
+// Backend::enter_call() on CUDA: the calling thread's capture mode relaxed for one engine call.
+struct RelaxedCall final : Backend::CallScope {
+  c10::cuda::CUDAStreamCaptureModeGuard relaxed{cudaStreamCaptureModeRelaxed};
+};
+
 class CudaBackend : public Backend {
  public:
   explicit CudaBackend(int64_t host_copy_delay_us)
@@ -329,9 +334,19 @@ class CudaBackend : public Backend {
   ChunkSource& chunks() override { return counted_; }
   const ChunkSource& chunks() const override { return counted_; }
 
+  std::unique_ptr<CallScope> enter_call() const override {
+    // A forked child makes no CUDA call; nor does a thread whose current GPU has no context yet
+    // (it captures nothing there, and asking would make one).
+    if (!in_owner_process() || !c10::cuda::hasPrimaryContext(c10::cuda::current_device()))
+      return nullptr;
+    return std::make_unique<RelaxedCall>();
+  }
+
   bool in_owner_process() const override { return g_fork_generation.load() == generation_; }
   void check_process() const override {
-    TORCH_CHECK(in_owner_process(), "offcache: the CUDA engine was created in process ", owner_pid_,
+    // The pid as a string: the message then needs no integer formatting (std::ostream).
+    TORCH_CHECK(in_owner_process(), "offcache: the CUDA engine was created in process ",
+                std::to_string(owner_pid_),
                 " and cannot be used in a forked child; use the 'spawn' start method, or "
                 "OFFCACHE_BACKEND=host in the child");
   }

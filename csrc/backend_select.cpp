@@ -93,9 +93,17 @@ Engine& global_engine_locked() {
 }  // namespace
 
 EngineUse::EngineUse() {
-  std::lock_guard<std::mutex> lock(g_mu);  // configure() retires under g_mu: enter first
-  engine_ = &global_engine_locked();
-  engine_->enter();
+  {
+    std::lock_guard<std::mutex> lock(g_mu);  // configure() retires under g_mu: enter first
+    engine_ = &global_engine_locked();
+    engine_->enter();
+  }
+  try {
+    scope_ = engine_->backend().enter_call();
+  } catch (...) {
+    engine_->leave();
+    throw;
+  }
 }
 
 bool global_engine_created() {

@@ -336,7 +336,10 @@ class Engine {
 class EngineUse {
  public:
   EngineUse();
-  ~EngineUse() { engine_->leave(); }
+  ~EngineUse() {
+    scope_.reset();  // before leave(): the engine may go with it
+    engine_->leave();
+  }
   EngineUse(const EngineUse&) = delete;
   EngineUse& operator=(const EngineUse&) = delete;
   Engine& operator*() const { return *engine_; }
@@ -344,6 +347,7 @@ class EngineUse {
 
  private:
   Engine* engine_;
+  std::unique_ptr<Backend::CallScope> scope_;  // Backend::enter_call(), for the call's length
 };
 void configure_global_engine(const std::string& backend, size_t pinned_limit, size_t min_chunk,
                              size_t max_in_flight, int64_t host_copy_delay_us,

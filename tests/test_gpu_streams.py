@@ -196,18 +196,20 @@ def test_channels_last_and_conj_on_the_gpu():
 
 
 def test_pooled_events_no_new_events_once_warm():
+    # Each round stores new values while the last round's are alive (their blocks hold their copies'
+    # events), then fetches them. The warm-up rounds are the measured ones: a warm-up that stored the
+    # same values again (dedup hits: no copy, no event) left the pool short of a round's events.
     xs = [torch.randn(256, device=DEV) for _ in range(100)]
-    for _ in range(3):  # warm the pool
-        stored = _engine.store(xs, CPU)
+    stored, created = [], []
+    for i in range(8):  # 3 to warm the pool, 5 measured
+        if i == 3:
+            before = offcache.stats()
+        stored = _engine.store([x + i for x in xs], CPU)
         _engine.fetch(stored, DEV, True)
         offcache.synchronize()
-    before = offcache.stats()
-    for _ in range(5):
-        stored = _engine.store([x + 1 for x in xs], CPU)
-        _engine.fetch(stored, DEV, True)
-        offcache.synchronize()
+        created.append(offcache.stats()["events_created"])
     after = offcache.stats()
-    assert after["events_created"] - before["events_created"] == 0
+    assert after["events_created"] - before["events_created"] == 0, f"events created by round: {created}"
     assert after["host_callbacks"] == before["host_callbacks"]
 
 
@@ -227,22 +229,40 @@ def test_store_and_fetch_of_many_small_tensors_are_one_copy_each():
     assert len({b.untyped_storage().data_ptr() for b in back}) == len(back)  # independent storages
 
 
+def _spin_cycles(seconds: float) -> int:
+    """GPU clock cycles that torch.cuda._sleep spins for about `seconds` on this GPU, measured
+    (a fixed count or a matmul queue is over in a blink on a fast GPU)."""
+    torch.cuda._sleep(1000)  # the kernel loaded before the measurement
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    cycles = 20_000_000
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return max(int(cycles * seconds * 1000 / max(start.elapsed_time(end), 1e-3)), 200_000_000)
+
+
 def test_fetch_buffers_do_not_wait_for_the_consumers_queued_work():
-    (stored,) = _engine.store([torch.randn(1 << 20, device=DEV)], CPU)
-    offcache.synchronize()
     import time
 
-    w = torch.randn(4096, 4096, device=DEV)
-    for _ in range(200):  # a long kernel queue on the consumer stream
-        w = w @ w / 4096
+    (stored,) = _engine.store([torch.randn(1 << 20, device=DEV)], CPU)
+    offcache.synchronize()
+    cycles = _spin_cycles(1.0)
+    t0 = time.monotonic()
+    torch.cuda._sleep(cycles)  # ~1 s of work queued on the consumer stream, no allocation
     queued = torch.cuda.Event()
     queued.record()
     (back,), ticket = _engine.fetch([stored], DEV, False)
     deadline = time.monotonic() + 30
     while not ticket.query() and time.monotonic() < deadline:
         time.sleep(0.001)
-    # The H2D copy ran beside the queued matmuls, so it finished before them.
-    assert ticket.query() and not queued.query()
+    copied, busy = ticket.query(), not queued.query()
+    # The H2D copy ran beside the queued work, so it finished before it.
+    assert copied and busy, (
+        f"after {time.monotonic() - t0:.3f} s: the fetch's copy {'done' if copied else 'not done'}, "
+        f"the consumer's queued work ({cycles} cycles, ~1 s) {'still running' if busy else 'done'}"
+    )
     ticket.wait()
     torch.cuda.synchronize()
     assert torch.equal(back, stored.to(DEV))
@@ -320,23 +340,29 @@ def test_dedup_does_not_serve_a_stored_copy_overwritten_by_copy_into():
 
 
 def test_staging_oom_does_not_flush_the_allocator_on_every_store():
-    free, _ = torch.cuda.mem_get_info()
+    # Device memory runs out for this process only: its caching allocator is capped 640 MiB above
+    # what it holds (set_per_process_memory_fraction), where filling the GPU would starve the other
+    # pytest-xdist workers sharing it (and their frees would let staging succeed here).
+    torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    hog = torch.empty(max(free - (768 << 20), 0), dtype=torch.uint8, device=DEV)  # leave ~768 MiB
+    _, total = torch.cuda.mem_get_info(DEV)
+    cap = torch.cuda.memory_reserved(DEV) + (640 << 20)
+    torch.cuda.set_per_process_memory_fraction(cap / total, DEV)
     try:
-        xs = [torch.randn(1 << 26, device=DEV) for _ in range(2)]  # 2 x 256 MiB
-        retries = torch.cuda.memory_stats()["num_alloc_retries"]
+        xs = [torch.randn(1 << 26, device=DEV) for _ in range(2)]  # 2 x 256 MiB: 128 MiB left
+        retries = torch.cuda.memory_stats(DEV)["num_alloc_retries"]
         start = offcache.stats()
         for _ in range(10):
-            out = _engine.store([x[1:] for x in xs], CPU)  # views: staging needed, 512 MiB
+            out = _engine.store([x[1:] for x in xs], CPU)  # views: staging needed, 256 MiB each
             del out
         offcache.synchronize()
         s = offcache.stats()
-        assert s["snapshot_fallbacks"] - start["snapshot_fallbacks"] >= 10
-        assert s["snapshot_oom_skips"] - start["snapshot_oom_skips"] >= 8
-        assert torch.cuda.memory_stats()["num_alloc_retries"] - retries <= 2
+        got = {k: s[k] - start[k] for k in ("snapshot_fallbacks", "snapshot_oom_skips", "snapshot_bytes")}
+        got["num_alloc_retries"] = torch.cuda.memory_stats(DEV)["num_alloc_retries"] - retries
+        assert got["snapshot_fallbacks"] >= 10 and got["snapshot_oom_skips"] >= 8, got
+        assert got["num_alloc_retries"] <= 2, got
     finally:
-        del hog
+        torch.cuda.set_per_process_memory_fraction(1.0, DEV)
         torch.cuda.empty_cache()
 
 

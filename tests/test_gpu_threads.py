@@ -24,6 +24,7 @@ def cuda_engine(engine_config):
 
 def test_cuda_engine_refuses_forked_child():
     import multiprocessing as mp
+    import queue
 
     _engine.store([torch.randn(10, device=DEV)], CPU)
     ctx = mp.get_context("fork")
@@ -39,7 +40,16 @@ def test_cuda_engine_refuses_forked_child():
     p = ctx.Process(target=child, args=(q,))
     p.start()
     p.join(60)
-    assert "forked child" in q.get(timeout=5)
+    if p.is_alive():
+        p.kill()
+        p.join(5)
+        pytest.fail("the forked child still ran after 60 s (killed)")
+    try:
+        said = q.get(timeout=5)
+    except queue.Empty:
+        # A negative exit code is the signal that ended it (-11: SIGSEGV).
+        pytest.fail(f"the forked child said nothing: exit code {p.exitcode}")
+    assert "forked child" in said, (said, p.exitcode)
 
 
 def test_sticky_cuda_error_does_not_abort_on_release(tmp_path):
@@ -252,10 +262,11 @@ def test_a_disk_store_in_flight_does_not_invalidate_a_graph_capture(engine_confi
 
 
 def test_engine_calls_during_a_capture_neither_break_it_nor_leak(engine_config):
-    # The capturing thread's own engine calls query the ledger's events: a store's copy still in
-    # flight (behind a long kernel on a stream that is not captured), then the release of its block.
-    # Queries run in relaxed capture mode, so they neither invalidate the capture nor fail; a query
-    # a capture still refuses would be "unknown" (asked again later), never a broken context.
+    # The capturing thread's own engine calls: a store on a stream that is not captured (its staging
+    # buffer's cudaMalloc, a new chunk's cudaHostRegister), queries of the ledger's events (its copy
+    # still in flight behind a long kernel), then the release of its block. Engine calls run in
+    # relaxed capture mode, so they neither invalidate the capture nor fail; a query a capture still
+    # refuses would be "unknown" (asked again later), never a broken context.
     engine_config(backend="cuda")
     x = torch.randn(1 << 22, device=DEV)
     side = torch.cuda.Stream(DEV)
