@@ -274,6 +274,7 @@ def default_host_limit() -> int:
 
 # The auto disk tier's folder while it does not exist yet: made by the first store that may need it.
 _pending_disk_dir: str = ""
+_disk_dir_room = 0  # bytes stores may still ask for before make_disk_dir asks the engine again
 
 
 def make_disk_dir(request_bytes: int = 0, force: bool = False) -> None:
@@ -283,14 +284,21 @@ def make_disk_dir(request_bytes: int = 0, force: bool = False) -> None:
     host memory that its next values may go to disk. A folder that cannot be made then fails
     that store with the engine's error naming it.
     """
-    global _pending_disk_dir
+    global _pending_disk_dir, _disk_dir_room
     folder = _pending_disk_dir
     if not folder:
         return
     if not force:
+        # Cheap on every store (update() calls this each time until the folder exists): the
+        # engine is asked how much it holds only once the stores since its last answer may have
+        # used up the room it then had below half the host limit.
+        _disk_dir_room -= 2 * request_bytes
+        if _disk_dir_room >= 0:
+            return
         s = _C.stats()
         held = s["pinned_reserved_bytes"] + s["pageable_bytes"] + 2 * request_bytes
         if held < _resolved.get("host_limit", 0) // 2:  # far from the limit: not yet
+            _disk_dir_room = _resolved.get("host_limit", 0) // 2 - held
             return
     try:
         os.makedirs(folder, mode=0o700, exist_ok=True)
@@ -413,8 +421,9 @@ def configure(
     )
     disk_path, auto_reason = _disk_dir(disk, disk_name)
     _C.configure(disk_dir=disk_path, **settings)
-    global _pending_disk_dir
+    global _pending_disk_dir, _disk_dir_room
     _pending_disk_dir = disk_path if disk_path and not os.path.isdir(disk_path) else ""
+    _disk_dir_room = 0
     _resolved.clear()
     _resolved.update(settings, disk_dir=disk_path, disk_auto_reason=auto_reason)
 

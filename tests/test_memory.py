@@ -120,6 +120,25 @@ def test_auto_is_a_private_folder_under_xdg_cache_home(engine_config, xdg, monke
     assert folder.is_dir() and (folder.stat().st_mode & 0o777) == 0o700
 
 
+def test_far_from_the_host_limit_an_update_does_not_ask_the_engine_for_its_stats(engine_config, xdg, monkeypatch):
+    """Until the auto folder exists, every store checks whether it may be needed: that check used to
+    build the engine's whole stats dict on every update of a run (issue 31 item 11). Far from the
+    limit it is a subtraction; the engine is asked again only once the room seen last is used up,
+    and the folder still appears in time (the test above)."""
+    monkeypatch.delenv("OFFCACHE_DISK_DIR", raising=False)
+    engine_config(backend="host", host_limit="1GiB")
+    assert _engine._pending_disk_dir
+    calls = []
+    real = _engine._C.stats
+    monkeypatch.setattr(_engine._C, "stats", lambda: calls.append(1) or real())
+    cache = IntermediatesCache.empty(0, "cpu")
+    for i in range(200):
+        cache.append({"x": torch.full((256,), float(i)), "y": torch.ones(3)})
+    assert len(calls) <= 1, f"{len(calls)} stats() calls for 200 small updates far from the host limit"
+    assert not xdg.exists()
+    assert torch.equal(cache.fetch(199)["x"], torch.full((256,), 199.0))
+
+
 def test_auto_without_xdg_uses_the_home_cache(engine_config, tmp_path, monkeypatch):
     if on_memory_fs(tmp_path):
         pytest.skip(f"{tmp_path} is on a memory file system")
