@@ -31,11 +31,21 @@ class CountingSource : public ChunkSource {
   bool refuse = false;
 };
 
+// The quarter-of-in-use spares alone (no window for a recent peak), unless a test sets one.
 ArenaOptions fixed(size_t chunk, size_t limit = SIZE_MAX) {
   ArenaOptions o;
   o.min_chunk = o.max_chunk = chunk;
   o.limit = limit;
   o.alignment = 256;
+  o.spare_window_ms = 0;
+  return o;
+}
+
+uint64_t g_now_ms = 0;  // the clock of the spare-window tests
+ArenaOptions windowed(size_t chunk, size_t limit = SIZE_MAX) {
+  ArenaOptions o = fixed(chunk, limit);
+  o.spare_window_ms = 1000;
+  o.now_ms = [] { return g_now_ms; };
   return o;
 }
 
@@ -187,6 +197,51 @@ TEST(Arena, WorkingSetThatShrinksAndGrowsReusesItsChunks) {
   EXPECT_EQ(src.live, 16);
   for (auto& b : blocks) arena.free(b);
   EXPECT_EQ(src.live, 1);  // nothing in use: only the largest spare stays
+}
+
+// Stores whose results die while their copies are in flight: each needs a block while the last
+// one's is still held, so a burst makes chunks that empty right after. They stay for the window,
+// and the next burst reuses them instead of making (pinning) them again.
+TEST(Arena, SparesHeldForARecentBurstThenReleased) {
+  CountingSource src;
+  g_now_ms = 10'000;
+  Arena arena(src, windowed(4096));
+  auto base = arena.allocate(4096);
+  ASSERT_TRUE(base);
+  for (int round = 0; round < 3; ++round) {
+    std::vector<Block> burst;
+    for (int i = 0; i < 8; ++i) burst.push_back(*arena.allocate(4096));
+    EXPECT_EQ(src.live, 9) << "round " << round << " made chunks again";
+    for (auto& b : burst) arena.free(b);
+    EXPECT_EQ(src.live, 9);  // the burst's chunks stay as spares within the window
+    g_now_ms += 100;
+  }
+  g_now_ms += 2000;  // the window is over: the next allocation gives the extra spares back
+  auto one = arena.allocate(4096);
+  ASSERT_TRUE(one);
+  EXPECT_EQ(src.live, 3);  // two in use, the largest spare
+  arena.free(*one);
+  arena.free(*base);
+  EXPECT_EQ(src.live, 2);  // the peak since, two chunks, still within its window
+  EXPECT_EQ(arena.release_empty_chunks(), 2u * 4096);
+  EXPECT_EQ(src.live, 0);
+}
+
+TEST(Arena, SparesForARecentPeakGiveWayToANewChunk) {
+  CountingSource src;
+  g_now_ms = 50'000;
+  Arena arena(src, windowed(4096, 10 * 4096));
+  auto base = arena.allocate(4096);
+  std::vector<Block> burst;
+  for (int i = 0; i < 8; ++i) burst.push_back(*arena.allocate(4096));
+  for (auto& b : burst) arena.free(b);
+  EXPECT_EQ(src.live, 9);
+  auto big = arena.allocate(3 * 4096);  // no spare fits: they go down to the quarter first
+  ASSERT_TRUE(big);
+  EXPECT_EQ(src.live, 3);  // base, the largest spare, the new chunk
+  EXPECT_LE(arena.reserved_bytes(), arena.limit());
+  arena.free(*big);
+  arena.free(*base);
 }
 
 TEST(Arena, ChunkMadeOutsideTheLockHoldsItsBudget) {

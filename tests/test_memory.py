@@ -454,3 +454,28 @@ def test_with_no_disk_tier_a_two_gib_cgroup_gets_the_error_not_the_oom_killer(tm
     refused = [line for line in out.stdout.splitlines() if line.startswith("refused")]
     assert refused and "OFFCACHE_HOST_LIMIT" in refused[0] and "intact" in out.stdout
     assert 1 <= int(refused[0].split()[1]) <= 4  # a 512 MiB limit holds a few 128 MiB values
+
+
+# Spares for a burst --------------------------------------------------------------------------------
+
+
+def test_stores_dropped_while_their_copies_are_in_flight_reuse_their_chunks(engine_config):
+    """A store whose result dies at once leaves its block to its copy: the next store, issued before
+    that copy lands, needs another block, so a burst makes chunks that empty right after. The next
+    bursts reuse them instead of making (on CUDA: pinning) them again. On an H200 that churn held a
+    64 MiB store loop to 12.8 GB/s against 55 for a raw pinned copy."""
+    engine_config(backend="host", min_chunk="256KiB", host_copy_delay_us=2000)
+    src = torch.ones(MiB, dtype=torch.uint8)
+    kept = _engine.store([src], torch.device("cpu"))  # something in use, as in a real run
+    made = []
+    for _ in range(4):
+        before = offcache.stats()["chunks_made"]
+        for i in range(6):
+            src.fill_(i)  # a new version each time: no dedup hit
+            _engine.store([src], torch.device("cpu"))  # the result dies at once, its copy in flight
+        offcache.synchronize()
+        made.append(offcache.stats()["chunks_made"] - before)
+    assert made[0] >= 2, f"the first burst should have needed new chunks (made {made})"
+    assert made[1:] == [0, 0, 0], f"chunks made per burst {made}: later bursts should reuse the first's"
+    assert torch.equal(kept[0], torch.ones(MiB, dtype=torch.uint8))
+    assert offcache.empty_cache() >= 0 and offcache.stats()["pinned_reserved_bytes"] <= 2 * MiB

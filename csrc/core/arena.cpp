@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cassert>
+#include <chrono>
 
 namespace offcache {
 
@@ -15,6 +16,27 @@ Arena::~Arena() {
     if (chunks_[i].live) source_.release(chunks_[i].base, chunks_[i].size);
   }
 }
+
+uint64_t Arena::now_ms() const {
+  if (options_.now_ms != nullptr) return options_.now_ms();
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                   std::chrono::steady_clock::now().time_since_epoch())
+                                   .count());
+}
+
+bool Arena::window_over() const {
+  return options_.spare_window_ms == 0 || now_ms() - peak_ms_ > options_.spare_window_ms;
+}
+
+void Arena::note_in_use() {
+  if (options_.spare_window_ms == 0) return;
+  if (in_use_ >= peak_ || window_over()) {
+    peak_ = in_use_;
+    peak_ms_ = now_ms();
+  }
+}
+
+size_t Arena::recent_peak() const { return window_over() ? in_use_ : std::max(peak_, in_use_); }
 
 size_t Arena::round_up(size_t bytes) const {
   size_t a = options_.alignment;
@@ -74,12 +96,19 @@ std::optional<Block> Arena::allocate_existing(size_t bytes) {
   if (length > need) insert_free(chunk, offset + need, length - need);
   Chunk& c = chunks_[chunk];
   c.used += need;
+  // Spares held for a peak whose window is over go back (not the chunk just used: not empty).
+  const bool peak_over = spares_past_quarter_ && window_over();
   in_use_ += need;
+  note_in_use();
+  if (peak_over) trim_spares(/*for_peak=*/false);
   return Block{c.base + offset, need, chunk, offset};
 }
 
 size_t Arena::begin_chunk(size_t bytes, std::string* error) {
   const size_t need = round_up(bytes);
+  // A new chunk is needed although spares are kept for a recent peak: none fits this request, so
+  // they go down to the quarter first (the bytes reserved stay near the bytes in use).
+  if (spares_past_quarter_) trim_spares(/*for_peak=*/false);
   // Oversized requests get a chunk of their own.
   size_t size = std::max(need, chunk_size());
   const size_t held = reserved_ + pending_;
@@ -147,7 +176,7 @@ void Arena::free(const Block& block) {
   if (c.used == 0) trim_spares();
 }
 
-void Arena::trim_spares() {
+void Arena::trim_spares(bool for_peak) {
   // Spares: empty chunks up to a quarter of the bytes in use, and at least the
   // largest empty one (a free-then-allocate cycle reuses pinned pages). The
   // smallest go back first.
@@ -163,11 +192,16 @@ void Arena::trim_spares() {
   if (options_.keep_empty_chunks) return;
   std::sort(empty.begin(), empty.end(),
             [this](uint32_t a, uint32_t b) { return chunks_[a].size > chunks_[b].size; });
+  // A recent burst's peak holds as many as it used (the bytes in use then, beyond now's).
+  const size_t quarter = in_use_ / 4;
+  const size_t allowance = for_peak ? std::max(quarter, recent_peak() - in_use_) : quarter;
   size_t kept = 0;
+  spares_past_quarter_ = false;
   for (size_t k = 0; k < empty.size(); ++k) {
     const size_t size = chunks_[empty[k]].size;
-    if (k == 0 || kept + size <= in_use_ / 4) {
+    if (k == 0 || kept + size <= allowance) {
       kept += size;
+      if (k > 0 && kept > quarter) spares_past_quarter_ = true;
     } else {
       drop_chunk(empty[k]);
     }
