@@ -132,3 +132,19 @@ def test_assisted_decoding_on_hybrid_layers(engine, static):
     assert_same(
         generate(model, ours, 12, prompt_lookup_num_tokens=3), generate(model, ref, 12, prompt_lookup_num_tokens=3)
     )
+
+
+@pytest.mark.parametrize("engine", ["host"], indirect=True)
+def test_reset_of_hybrid_layers(engine):
+    """OffloadedKVCache.reset() is a new cache, Mamba states included: the logits of a new DynamicCache (what
+    DynamicCache.reset gives from 5.24 on; 5.17's keeps the length, so the reference is a new cache)."""
+    model = model_of("falcon_h1")
+    ids = torch.randint(1, 128, (1, 6), generator=torch.Generator().manual_seed(3))
+    ours = OffloadedKVCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids, **kw(ours), use_cache=True)
+        ours.reset()
+        got = model(input_ids=ids, **kw(ours), use_cache=True).logits
+        want = model(input_ids=ids, **kw(transformers.DynamicCache(config=model.config)), use_cache=True).logits
+    assert torch.equal(got, want)
+    assert int(ours.get_seq_length()) == ids.shape[1]
