@@ -339,7 +339,8 @@ class OffloadedKVCache(DynamicCache):
         for layer in self.layers:
             if isinstance(layer, _Offloaded) or "reset" in vars(DynamicLayer) or not isinstance(layer, DynamicLayer):
                 layer.reset()
-            else:
+            else:  # transformers' own reset first: a hybrid layer's linear-attention states too
+                layer.reset()
                 layer.keys = layer.values = None
                 layer.is_initialized = False
                 if hasattr(layer, "cumulative_length"):

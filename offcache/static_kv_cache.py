@@ -46,15 +46,10 @@ import itertools
 import weakref
 
 import torch
-from transformers.cache_utils import (
-    DynamicLayer,
-    StaticCache,
-    StaticLayer,
-    StaticSlidingWindowLayer,
-    get_layer_types_and_kwargs,
-)
+from transformers.cache_utils import StaticCache, StaticLayer, StaticSlidingWindowLayer, get_layer_types_and_kwargs
 
 from offcache import _engine
+from offcache._static_resident import _check_croppable, _resident_op, _tokens_to_remove  # noqa: F401  (tests use _resident_op)
 
 _CPU = torch.device("cpu")
 
@@ -90,57 +85,6 @@ def _buffer_key(layer) -> tuple:
     """What a layer's device buffers are shared by: K and V shapes, K and V dtypes, device."""
     k, v = layer.__dict__["_host_k"], layer.__dict__["_host_v"]
     return tuple(k.shape), tuple(v.shape), k.dtype, v.dtype, layer.device
-
-
-def _tokens_to_remove(tokens_to_remove: int, current: int) -> int:
-    """transformers' crop argument: negative, tokens to remove; positive (legacy), the length to keep,
-    where the installed transformers still takes that form."""
-    if tokens_to_remove > 0:
-        _refuse_positive_crop(tokens_to_remove)
-        return 0 if tokens_to_remove >= current else current - tokens_to_remove
-    return -tokens_to_remove
-
-
-def _refuse_positive_crop(tokens_to_remove: int) -> None:
-    """A positive crop, refused with the installed transformers' own error where it refuses one: 5.24's
-    StaticLayer.crop takes negative values only; before it, static layers had no crop and the dynamic
-    rule applies (5.23 refuses a positive value, 5.17 warns that it is deprecated)."""
-    if "crop" in vars(StaticLayer):
-        StaticLayer(max_cache_len=1).crop(tokens_to_remove)  # a throwaway layer: raises
-    else:
-        DynamicLayer().crop(tokens_to_remove)  # an empty layer: raises, warns, or keeps all
-
-
-def _check_croppable(layer, remove: int) -> None:
-    """A sliding layer past its window has dropped tokens: cropping cannot bring them back."""
-    if remove and getattr(layer, "is_sliding", False) and layer.get_seq_length() > layer.max_cache_len:
-        raise RuntimeError(
-            "`crop` was called, but the current layer does not track past states, and the sliding window size was "
-            "already reached: a static sliding window layer cannot be rolled back"
-        )
-
-
-def _resident_op(layer, op: str, arg) -> None:
-    """crop / batch_repeat_interleave / batch_select_indices on a resident static layer (StaticCache has none)."""
-    if not layer.is_initialized:
-        return
-    if op == "crop":
-        current = int(layer.get_seq_length())
-        remove = _tokens_to_remove(arg, current)
-        _check_croppable(layer, remove)
-        if hasattr(layer, "cumulative_length_int"):
-            layer.cumulative_length_int -= remove
-        layer.cumulative_length.sub_(remove)
-        return  # positions past the length are masked, and rewritten before they are read
-    if op == "batch_repeat_interleave":
-        layer.keys, layer.values = (t.repeat_interleave(arg, dim=0) for t in (layer.keys, layer.values))
-    else:
-        idx = arg.to(layer.keys.device) if isinstance(arg, torch.Tensor) else arg
-        layer.keys, layer.values = layer.keys[idx].contiguous(), layer.values[idx].contiguous()
-    layer.batch_size = layer.keys.shape[0]
-    if not torch.compiler.is_compiling():
-        torch._dynamo.mark_static_address(layer.keys)
-        torch._dynamo.mark_static_address(layer.values)
 
 
 class _StaticOffloaded:
@@ -426,6 +370,10 @@ class OffloadedStaticSlidingLayer(_StaticOffloaded, StaticSlidingWindowLayer):
         self.cumulative_length.zero_()
 
 
+# The resident layers that _resident_op handles: its crop and batch operations are theirs exactly. Any
+# other layer (a subclass too: a hybrid one also holds linear-attention states) runs its own.
+_PLAIN_STATIC = (StaticLayer, StaticSlidingWindowLayer)
+
 # handle -> cache, for the custom op: weak values, so a dropped cache's entry goes with it.
 _CACHES: weakref.WeakValueDictionary[int, OffloadedStaticKVCache] = weakref.WeakValueDictionary()
 _HANDLES = itertools.count()
@@ -514,22 +462,23 @@ class OffloadedStaticKVCache(StaticCache):
 
     def _each(self, op: str, arg) -> None:
         for layer in self.layers:
-            if isinstance(layer, _StaticOffloaded) or not isinstance(layer, StaticLayer):
-                getattr(layer, op)(arg)  # ours, or linear attention: their own (or transformers' error)
-            else:
+            if type(layer) in _PLAIN_STATIC:
                 _resident_op(layer, op, arg)
+            else:  # ours; linear, hybrid, indexed and dummy layers: their own (or transformers' error), as
+                getattr(layer, op)(arg)  # StaticCache calls it (a hybrid layer's crop rolls its states back too)
 
     def crop(self, tokens_to_remove: int) -> None:
         self._each("crop", tokens_to_remove)
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, **kwargs) -> None:
         # Assisted decoding calls this first: a static window cannot keep the tokens a rollback needs.
+        # kwargs: the installed transformers' (5.25: recurrent_states_to_keep, for the linear-attention layers).
         if any(getattr(layer, "is_sliding", False) for layer in self.layers):
             raise ValueError(
                 "assisted generate is not supported with static sliding window layers: OffloadedStaticKVCache "
                 "cannot roll a window back once it dropped tokens (use OffloadedKVCache)"
             )
-        super().activate_past_recording()
+        super().activate_past_recording(**kwargs)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._each("batch_repeat_interleave", repeats)

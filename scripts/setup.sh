@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 state() {
   {
-    cat requirements.txt requirements-dev.txt scripts/setup*.sh scripts/ext_cache.sh
+    cat requirements.txt requirements-dev.txt scripts/setup*.sh scripts/versions.sh scripts/ext_cache.sh
     echo "tf=${OFFCACHE_TF_NEWEST:-} ct=${OFFCACHE_CT_NEWEST:-} python=$PYTHON"
     find csrc setup.py -type f | LC_ALL=C sort | xargs sha256sum
     ls -l --time-style=+%s offcache/_C*.so 2>&1 || true

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The newest environment: the newest torch and transformers on the index, no llm-compressor and no
-# compressed-tensors (their pins exclude these releases), offcache built against that torch.
+# The newest environment: the newest verified torch and transformers (scripts/versions.sh: pinned there,
+# not whatever the index holds that day), no llm-compressor and no compressed-tensors (their pins exclude
+# these releases), offcache built against that torch.
 # scripts/test_newest.sh runs the suite on it (what needs llm-compressor or compressed-tensors skips).
 #
 # Everything lives outside the clone, under $OFFCACHE_CI_CACHE (default ~/.cache/offcache-ci), so
@@ -21,13 +22,14 @@ PYTHON=${PYTHON:-python3}
 mkdir -p "$CACHE"
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 # This machine's pip caps torch at the releases on its disk (/etc/xdg/pip's constraints file): this
-# environment asks the index for the newest, so the constraint is lifted for these installs only.
+# environment asks the index for newer ones, so the constraint is lifted for these installs only.
 export PIP_CONSTRAINT=/dev/null
 PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
-# Versions: OFFCACHE_TORCH_NEWEST / OFFCACHE_TF_NEWEST pin them; unset, the newest on the index.
-TORCH_REQ="torch${OFFCACHE_TORCH_NEWEST:+==$OFFCACHE_TORCH_NEWEST}"
-TF_REQ="transformers${OFFCACHE_TF_NEWEST:+==$OFFCACHE_TF_NEWEST}"
-# Only torch and transformers are asked for the newest; the tools are taken as installed.
+# Versions: the verified ones (scripts/versions.sh; OFFCACHE_TORCH_NEWEST / OFFCACHE_TF_NEWEST override them).
+source "$ROOT/scripts/versions.sh"
+TORCH_REQ="torch==$OFFCACHE_TORCH_NEWEST"
+TF_REQ="transformers==$OFFCACHE_TF_NEWEST"
+# Only torch and transformers are moved to those versions; the tools are taken as installed.
 "${PIP[@]}" --upgrade --upgrade-strategy only-if-needed "$TORCH_REQ" "$TF_REQ"
 "${PIP[@]}" setuptools wheel pybind11 ninja pytest hypothesis tqdm matplotlib safetensors nvidia-ml-py
 for pkg in llmcompressor compressed-tensors; do
@@ -38,6 +40,10 @@ for pkg in llmcompressor compressed-tensors; do
 done
 TORCH=$("$VENV/bin/python" -c "import torch; print(torch.__version__)")
 TF=$("$VENV/bin/python" -c "import transformers; print(transformers.__version__)")
+if [ "${TORCH%%+*}" != "$OFFCACHE_TORCH_NEWEST" ] || [ "$TF" != "$OFFCACHE_TF_NEWEST" ]; then  # a local label (+cpu) aside
+  echo "setup_newest.sh: $VENV has torch $TORCH and transformers $TF, not the pinned $OFFCACHE_TORCH_NEWEST and $OFFCACHE_TF_NEWEST" >&2
+  exit 1
+fi
 
 # The clone's files (tracked, and untracked ones git does not ignore), synced by content.
 TREE="$CACHE/tree-torch$TORCH"

@@ -102,15 +102,39 @@ def tiny_causal_lm(kind: str, sliding_window: int = 8, seed: int = 0):
     return model.eval()
 
 
-def tiny_mlp_moe_lm(seed: int = 0):
-    """NemotronH with "mlp" and "moe" layers between full-attention ones: layers with no cache of their own."""
+def tiny_mlp_moe_lm(seed: int = 0, layers=("mlp", "full_attention", "moe", "full_attention")):
+    """NemotronH with "mlp" and "moe" layers beside full-attention ones: layers with no cache of their own
+    (transformers' caches give them a DummyLayer)."""
     import transformers
 
     torch.manual_seed(seed)
     config = transformers.NemotronHConfig(
         vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=16, max_position_embeddings=256, layers_block_type=["mlp", "full_attention", "moe", "full_attention"],
+        head_dim=16, max_position_embeddings=256, layers_block_type=list(layers),
         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, moe_shared_expert_intermediate_size=16,
         n_group=1, topk_group=1,
     )  # fmt: skip
     return transformers.NemotronHForCausalLM(config).eval()
+
+
+def tiny_hybrid_lm(seed: int = 0):
+    """FalconH1: every layer "hybrid" (a Mamba2 mixer beside attention), whose cache layers hold K/V and
+    linear-attention (conv and recurrent) states at once."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.FalconH1Config(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=256, mamba_d_ssm=32, mamba_n_heads=4,
+        mamba_d_head=8, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=4, mamba_expand=1,
+    )  # fmt: skip
+    return transformers.FalconH1ForCausalLM(config).eval()
+
+
+def outcome(fn, *args, **kwargs):
+    """``("returned", fn(...))``, or ``("raised", type name, message)``: where transformers' own cache
+    raises (e.g. 5.25's on a model whose first layer holds no cache), offcache's must raise the same."""
+    try:
+        return "returned", fn(*args, **kwargs)
+    except Exception as e:  # compared with the reference's outcome, never swallowed
+        return "raised", type(e).__name__, str(e)
