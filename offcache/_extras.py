@@ -23,3 +23,14 @@ def require(module: str, extra: str, what: str):
         if exc.name is None or exc.name.split(".")[0] != top:
             raise  # something else inside the package is missing: not ours to rename
         raise missing(top, extra, what) from None
+
+
+def as_missing(exc: ModuleNotFoundError, packages: str | tuple[str, ...], extra: str, what: str) -> ImportError:
+    """The one-line MissingExtraError for a module that failed to import because one of `packages`
+    (those the extra installs) is absent; `exc` itself when something else is missing (not ours to
+    rename). For a module's own top-level imports:
+    ``except ModuleNotFoundError as e: raise as_missing(e, ...) from None``."""
+    top = (exc.name or "").split(".")[0]
+    if top not in ((packages,) if isinstance(packages, str) else packages):
+        return exc
+    return missing(top, extra, what)

@@ -7,7 +7,13 @@ transformers 5.24 no crop)."""
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import DynamicLayer, StaticLayer
+
+from offcache._extras import as_missing
+
+try:
+    from transformers.cache_utils import DynamicLayer, StaticLayer
+except ModuleNotFoundError as _missing:  # one line naming the extra, as offcache.OffloadedKVCache gives
+    raise as_missing(_missing, "transformers", "kv", "offcache.static_kv_cache") from None
 
 
 def _tokens_to_remove(tokens_to_remove: int, current: int) -> int:

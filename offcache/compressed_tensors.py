@@ -53,11 +53,20 @@ import sys
 from typing import Any
 
 import torch
-from compressed_tensors.offload.cache.base import OffloadCache
-from compressed_tensors.offload.cache.cpu import CPUCache
-from compressed_tensors.offload.cache.disk import DiskCache
-from compressed_tensors.offload.cache.utils import catch_cpu_mem_error
-from compressed_tensors.offload.utils import to_tensor
+
+from offcache._extras import as_missing
+
+try:
+    from compressed_tensors.offload.cache.base import OffloadCache
+    from compressed_tensors.offload.cache.cpu import CPUCache
+    from compressed_tensors.offload.cache.disk import DiskCache
+    from compressed_tensors.offload.cache.utils import catch_cpu_mem_error
+    from compressed_tensors.offload.utils import to_tensor
+except ModuleNotFoundError as _missing:  # one line naming the extra
+    raise as_missing(
+        _missing, ("compressed_tensors", "transformers"), "llmcompressor", "offcache.compressed_tensors"
+    ) from None
+
 from loguru import logger  # llm-compressor's and compressed-tensors' logger: its INFO lines show
 
 from offcache import _engine

@@ -30,7 +30,14 @@ from __future__ import annotations
 import functools
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+
+from offcache._extras import as_missing
+
+try:
+    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+except ModuleNotFoundError as _missing:  # one line naming the extra, as offcache.OffloadedKVCache gives
+    raise as_missing(_missing, "transformers", "kv", "offcache.kv_cache") from None
+
 
 from offcache import _engine
 from offcache.static_kv_cache import OffloadedStaticKVCache  # noqa: F401  (the static one, for offcache.__getattr__)

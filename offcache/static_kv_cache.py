@@ -46,7 +46,14 @@ import itertools
 import weakref
 
 import torch
-from transformers.cache_utils import StaticCache, StaticLayer, StaticSlidingWindowLayer, get_layer_types_and_kwargs
+
+from offcache._extras import as_missing
+
+try:
+    from transformers.cache_utils import StaticCache, StaticLayer, StaticSlidingWindowLayer, get_layer_types_and_kwargs
+except ModuleNotFoundError as _missing:  # one line naming the extra, as offcache.OffloadedKVCache gives
+    raise as_missing(_missing, "transformers", "kv", "offcache.static_kv_cache") from None
+
 
 from offcache import _engine
 from offcache._static_resident import _check_croppable, _resident_op, _tokens_to_remove  # noqa: F401  (tests use _resident_op)

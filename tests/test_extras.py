@@ -142,3 +142,27 @@ def test_import_makes_nothing_on_disk_and_the_disk_tier_makes_its_folder_when_fi
         timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines() == ["after import False", "after configure False", "after spilling True 0o700"]
+
+
+@pytest.mark.parametrize("package", ["transformers", "llmcompressor", "compressed_tensors", "matplotlib"])
+def test_every_public_module_imports_or_names_its_extra(tmp_path, package):
+    """Each public module of offcache (and of offcache.bench), imported where one optional package is
+    missing: it imports, or raises one ImportError whose message names the extra that installs it
+    (issue 31 item 8: offcache.kv_cache used to raise the raw "No module named 'transformers'")."""
+    proc = without((package,), """
+        import importlib, pkgutil
+        import offcache
+        names = sorted(m.name for m in pkgutil.walk_packages(offcache.__path__, "offcache.")
+                       if not m.name.rsplit(".", 1)[1].startswith("_"))
+        for name in names:
+            try:
+                importlib.import_module(name)
+                print("ok", name)
+            except ImportError as exc:
+                print("extra" if "pip install 'offcache[" in str(exc) else "RAW", name, type(exc).__name__, exc)
+    """, tmp_path)  # fmt: skip
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 0 and len(lines) > 10, proc.stdout + proc.stderr[-2000:]
+    raw = [line for line in lines if line.startswith("RAW")]
+    assert not raw, "\n".join(raw)
+    assert any(line.startswith("ok offcache.cache") for line in lines)

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
+from offcache._extras import as_missing
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+except ModuleNotFoundError as _missing:  # one line naming the extra
+    raise as_missing(_missing, "matplotlib", "bench", "offcache.bench.plots") from None
 
 
 def plot_all(results: dict, out: Path) -> list[str]:
