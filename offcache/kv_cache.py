@@ -245,23 +245,29 @@ class OffloadedLayer(_Offloaded, DynamicLayer):
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
+        first = not self.is_initialized
+        if first:
             self.lazy_initialization(key_states, value_states)
-        past = self._past()
-        if past is None:
-            keys, values = key_states, value_states
-        else:
-            keys = torch.cat([past[0], key_states], dim=-2)
-            values = torch.cat([past[1], value_states], dim=-2)
-        self._seq = keys.shape[-2]
-        if len(self._host_k) + 1 >= self.compact_every:
-            # One chunk for everything: bounds the copies per fetch.
-            k, v = _engine.store([keys, values], _CPU)
+        compact = len(self._host_k) + 1 >= self.compact_every
+        try:  # nothing of the layer changes until the store succeeded (HostLimitError leaves it as it was)
+            past = self._past()
+            if past is None:
+                keys, values = key_states, value_states
+            else:
+                keys = torch.cat([past[0], key_states], dim=-2)
+                values = torch.cat([past[1], value_states], dim=-2)
+            # Compacting: one chunk for everything bounds the copies per fetch; else only the new tokens go D2H.
+            k, v = _engine.store([keys, values] if compact else [key_states, value_states], _CPU)
+        except BaseException:
+            if first:
+                self.is_initialized = False
+            raise
+        if compact:
             self._host_k, self._host_v = [k], [v]
-        else:  # only the new tokens go D2H
-            k, v = _engine.store([key_states, value_states], _CPU)
+        else:
             self._host_k.append(k)
             self._host_v.append(v)
+        self._seq = keys.shape[-2]
         self._changed()
         return keys, values
 
@@ -291,15 +297,21 @@ class OffloadedSlidingLayer(_Offloaded, DynamicSlidingWindowLayer):
         # The installed transformers' own DynamicSlidingWindowLayer.update (what it keeps and what it
         # returns: 5.23+ returns only the visible part while it records the past for assisted decoding),
         # run on a shadow holding the past fetched from the arena; what it keeps is stored.
-        if not self.is_initialized:
+        first = not self.is_initialized
+        if first:
             self.lazy_initialization(key_states, value_states)
-        past = self._past()
-        shadow = self._shadow(*(past if past is not None else (key_states[:, :, :0], value_states[:, :, :0])))
-        out = self._shadow_class.update(shadow, key_states, value_states, *args, **kwargs)
+        try:  # nothing of the layer changes until the store succeeded (HostLimitError leaves it as it was)
+            past = self._past()
+            shadow = self._shadow(*(past if past is not None else (key_states[:, :, :0], value_states[:, :, :0])))
+            out = self._shadow_class.update(shadow, key_states, value_states, *args, **kwargs)
+            k, v = _engine.store([shadow.keys.contiguous(), shadow.values.contiguous()], _CPU)
+        except BaseException:
+            if first:
+                self.is_initialized = False
+            raise
         for name, value in shadow.__dict__.items():  # what the update set (cumulative_length, ...)
             if name not in ("keys", "values") and not name.startswith("_host") and value is not self.__dict__.get(name):
                 setattr(self, name, value)
-        k, v = _engine.store([shadow.keys.contiguous(), shadow.values.contiguous()], _CPU)
         self._host_k, self._host_v = [k], [v]
         self._changed()
         return out

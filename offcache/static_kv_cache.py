@@ -308,17 +308,23 @@ class OffloadedStaticLayer(_StaticOffloaded, StaticLayer):
         return self.max_cache_len
 
     def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
         start, n = self._seq, key_states.shape[-2]
         if start + n > self.max_cache_len:
             raise IndexError(
                 f"OffloadedStaticKVCache: {start} cached tokens + {n} new exceed max_cache_len={self.max_cache_len}"
             )
-        k, v = self._take_buffer(start + n)
-        k[:, :, start : start + n].copy_(key_states)
-        v[:, :, start : start + n].copy_(value_states)
-        self._store_positions(start, key_states, value_states)
+        first = not self.is_initialized
+        if first:
+            self.lazy_initialization(key_states, value_states)
+        try:  # the length moves once the store succeeded (HostLimitError leaves the layer as it was)
+            k, v = self._take_buffer(start + n)
+            k[:, :, start : start + n].copy_(key_states)
+            v[:, :, start : start + n].copy_(value_states)
+            self._store_positions(start, key_states, value_states)
+        except BaseException:
+            if first:
+                self.is_initialized = False
+            raise
         self._seq = start + n
         self.cumulative_length.add_(n)
         return k, v
@@ -353,7 +359,8 @@ class OffloadedStaticSlidingLayer(_StaticOffloaded, StaticSlidingWindowLayer):
         return window
 
     def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
+        first = not self.is_initialized
+        if first:
             self.lazy_initialization(key_states, value_states)
         start, n, window = self.cumulative_length_int, key_states.shape[-2], self.max_cache_len
         self._dev_k, self._dev_v = self._take_buffer(min(start + n, window))
@@ -363,6 +370,15 @@ class OffloadedStaticSlidingLayer(_StaticOffloaded, StaticSlidingWindowLayer):
                 self._store_positions(start, key_states, value_states)
             else:  # the window moved: all of it changed
                 self._store_positions(0, self._dev_k, self._dev_v)
+        except BaseException:
+            # A failed store (HostLimitError) leaves the layer as it was: the lengths the update moved go back.
+            moved = self.cumulative_length_int - start
+            if moved:
+                self.cumulative_length_int = start
+                self.cumulative_length.sub_(moved)
+            if first:
+                self.is_initialized = False
+            raise
         finally:
             self._dev_k = self._dev_v = None
         return keys, values

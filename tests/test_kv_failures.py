@@ -1,0 +1,81 @@
+"""A KV update that fails (HostLimitError: the host limit reached with no disk tier) leaves the layer
+exactly as it was: its length, its contents, and a later update that succeeds gives what a cache that
+never failed gives (issue 31 item 4: the length used to move before the store, 83 against 82 held).
+
+The failure is injected at the engine's store (dynamic layers) or copy (static layers), the calls a
+real HostLimitError comes from, on the first update of a layer and on later ones."""
+
+import pytest
+import torch
+
+import offcache
+from offcache import _engine
+from offcache.bench.models import causal_lm
+
+transformers = pytest.importorskip("transformers")
+
+B, H, D = 2, 2, 8  # batch, KV heads, head dim of the tiny models (TINY in offcache/bench/models.py)
+
+
+class FailNext:
+    """Arms the engine call that a layer's update stores through to raise HostLimitError once."""
+
+    def __init__(self, monkeypatch):
+        self.armed = False
+        for name in ("store", "copy_into"):
+            real = getattr(_engine, name)
+            monkeypatch.setattr(_engine, name, self._wrap(real))
+
+    def _wrap(self, real):
+        def call(*args, **kwargs):
+            if self.armed:
+                self.armed = False
+                raise offcache.HostLimitError("injected: the host limit is reached")
+            return real(*args, **kwargs)
+
+        return call
+
+
+def _step(seed: int, n: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, H, n, D, generator=g), torch.randn(B, H, n, D, generator=g)
+
+
+def _caches(kind: str):
+    model = causal_lm("mistral", sliding_window=6) if "sliding" in kind else causal_lm("llama")
+    config = model.config
+    if kind.startswith("static"):
+        return (offcache.OffloadedStaticKVCache(config=config, max_cache_len=32, offload_sliding=True),
+                transformers.StaticCache(config=config, max_cache_len=32))  # fmt: skip
+    return (offcache.OffloadedKVCache(config=config, offload_sliding=True, compact_every=3),
+            transformers.DynamicCache(config=config))  # fmt: skip
+
+
+def _kv(cache, layer: int):
+    layer = cache.layers[layer]
+    return layer.keys.clone(), layer.values.clone()
+
+
+@pytest.mark.parametrize("engine", ["host"], indirect=True)
+@pytest.mark.parametrize("kind", ["dynamic", "dynamic_sliding", "static", "static_sliding"])
+@pytest.mark.parametrize("fail_at", [0, 1, 4])  # the first update of a layer, a later one, past compaction/window
+def test_a_failed_update_leaves_the_layer_as_it_was(engine, monkeypatch, kind, fail_at):
+    ours, ref = _caches(kind)
+    fail = FailNext(monkeypatch)
+    steps = [_step(i, 3 if i == 0 else 1) for i in range(7)]
+    for i, (k, v) in enumerate(steps):
+        if i == fail_at:
+            before_len = ours.get_seq_length(0)
+            before_kv = _kv(ours, 0) if ours.layers[0].is_initialized and before_len else None
+            fail.armed = True
+            with pytest.raises(offcache.HostLimitError):
+                ours.update(k, v, 0)
+            assert not fail.armed, "the injected failure was not reached"
+            assert ours.get_seq_length(0) == before_len, f"the length moved ({kind}, step {i})"
+            if before_kv is not None:
+                after = _kv(ours, 0)
+                assert torch.equal(after[0], before_kv[0]) and torch.equal(after[1], before_kv[1])
+        got = ours.update(k, v, 0)  # the same step again, now succeeding
+        want = ref.update(k, v, 0)
+        assert ours.get_seq_length(0) == ref.get_seq_length(0), f"step {i}"
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"step {i}"
