@@ -227,7 +227,24 @@ TEST(Arena, SparesHeldForARecentBurstThenReleased) {
   EXPECT_EQ(src.live, 0);
 }
 
-TEST(Arena, SparesForARecentPeakGiveWayToANewChunk) {
+TEST(Arena, ARequestNoSpareFitsKeepsTheSparesWithinTheBudget) {
+  CountingSource src;
+  g_now_ms = 70'000;
+  Arena arena(src, windowed(4096));
+  std::vector<Block> burst;
+  for (int i = 0; i < 4; ++i) burst.push_back(*arena.allocate(4096));
+  for (auto& b : burst) arena.free(b);
+  EXPECT_EQ(src.live, 4);
+  auto big = arena.allocate(2 * 4096);  // a chunk of its own; the burst's spares stay for the next
+  ASSERT_TRUE(big);
+  EXPECT_EQ(src.live, 5);
+  for (int i = 0; i < 4; ++i) burst[i] = *arena.allocate(4096);
+  EXPECT_EQ(src.live, 5);
+  for (auto& b : burst) arena.free(b);
+  arena.free(*big);
+}
+
+TEST(Arena, SparesForARecentPeakGiveWayToTheBudget) {
   CountingSource src;
   g_now_ms = 50'000;
   Arena arena(src, windowed(4096, 10 * 4096));
@@ -236,7 +253,7 @@ TEST(Arena, SparesForARecentPeakGiveWayToANewChunk) {
   for (int i = 0; i < 8; ++i) burst.push_back(*arena.allocate(4096));
   for (auto& b : burst) arena.free(b);
   EXPECT_EQ(src.live, 9);
-  auto big = arena.allocate(3 * 4096);  // no spare fits: they go down to the quarter first
+  auto big = arena.allocate(3 * 4096);  // no spare fits, and the budget has no room: they go
   ASSERT_TRUE(big);
   EXPECT_EQ(src.live, 3);  // base, the largest spare, the new chunk
   EXPECT_LE(arena.reserved_bytes(), arena.limit());

@@ -109,7 +109,11 @@ class _Offloaded:
         self._drop_prefetch(on_host=True)
         _engine.wait_on_host(self.__dict__.get("_last_read"))
         self._last_read = None
-        return self._host_tensors()
+        k, v = self._host_tensors()
+        # DynamicCache's update makes new tensors: a reference taken now sees no later step. The next
+        # update reads what these hold then, and stores everything as a new chunk, so these leave the layer.
+        self._exposed = k is not None
+        return k, v
 
     def _host_tensors(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The layer's K and V as single arena tensors, written: waits for this layer's copies."""
@@ -248,7 +252,9 @@ class OffloadedLayer(_Offloaded, DynamicLayer):
         first = not self.is_initialized
         if first:
             self.lazy_initialization(key_states, value_states)
-        compact = len(self._host_k) + 1 >= self.compact_every
+        # Compacting: one chunk for everything bounds the copies per fetch, and takes the chunk handed out
+        # (keys/values) out of the layer; else only the new tokens go D2H.
+        compact = self.__dict__.get("_exposed", False) or len(self._host_k) + 1 >= self.compact_every
         try:  # nothing of the layer changes until the store succeeded (HostLimitError leaves it as it was)
             past = self._past()
             if past is None:
@@ -256,7 +262,6 @@ class OffloadedLayer(_Offloaded, DynamicLayer):
             else:
                 keys = torch.cat([past[0], key_states], dim=-2)
                 values = torch.cat([past[1], value_states], dim=-2)
-            # Compacting: one chunk for everything bounds the copies per fetch; else only the new tokens go D2H.
             k, v = _engine.store([keys, values] if compact else [key_states, value_states], _CPU)
         except BaseException:
             if first:
@@ -264,6 +269,7 @@ class OffloadedLayer(_Offloaded, DynamicLayer):
             raise
         if compact:
             self._host_k, self._host_v = [k], [v]
+            self._exposed = False
         else:
             self._host_k.append(k)
             self._host_v.append(v)

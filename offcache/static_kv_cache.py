@@ -104,6 +104,7 @@ class _StaticOffloaded:
         self._dev_k = self._dev_v = None  # the device buffer, while StaticSlidingWindowLayer.update runs
         self._prefetched = None  # (buffer index, positions fetched, ticket)
         self._last_read = None  # the ticket of the last H2D copy that read the arena layer
+        self._exposed = False  # the arena layer was handed out (keys/values): no prefetch, see _host_view
 
     # keys / values: the arena layer (the device buffer during a sliding update) ------------------
 
@@ -127,7 +128,7 @@ class _StaticOffloaded:
     def values(self, t) -> None:
         self._assign("_host_v", t)
 
-    def _host_view(self, t):
+    def _host_view(self, t, expose: bool = True):
         """The arena layer, handed out: code outside may edit it in place (through ``.data`` or numpy
         too, where no version counter sees it), so a prefetch of it is dropped (the next update fetches
         what it holds then) and the H2D copies still reading it complete first."""
@@ -136,7 +137,16 @@ class _StaticOffloaded:
             _engine.wait_on_host(self.__dict__.get("_last_read"))
             self._last_read = None
             _engine.wait_stored(t)  # the D2H copies into it (copy_into) have landed
+            # StaticCache's K/V are persistent: an edit through this reference, whenever it comes, is seen
+            # by the next update. So this layer is not prefetched any more (a prefetch issued before such an
+            # edit would miss it); each update fetches what the arena holds then. Until new arena tensors.
+            self._exposed = self._exposed or expose
         return t
+
+    def _own_kv(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The arena layer, read by the cache's own operations (nothing handed out: prefetch stays)."""
+        d = self.__dict__
+        return self._host_view(d.get("_host_k"), expose=False), self._host_view(d.get("_host_v"), expose=False)
 
     def _assign(self, name: str, t) -> None:
         # CacheLayerMixin.__init__ sets None; a tensor assigned from outside goes to the arena.
@@ -166,6 +176,7 @@ class _StaticOffloaded:
         for t in (self._host_k, self._host_v):
             _engine.wait_stored(t)  # written before any copy lands in it
         self._buffers = None  # looked up by shape when next needed
+        self._exposed = False  # references handed out before hold the old arena tensors
 
     def _resolve_buffers(self) -> _Buffers:
         if self._buffers is None:
@@ -182,7 +193,7 @@ class _StaticOffloaded:
     def prefetch(self) -> None:
         """Start the H2D copy of the filled prefix into the buffer not in use; update() waits on it."""
         n = self._filled() if self.is_initialized else 0
-        if n == 0 or self._prefetched is not None:
+        if n == 0 or self._prefetched is not None or self.__dict__.get("_exposed", False):
             return
         bufs = self._resolve_buffers()
         i = 1 - bufs.current
@@ -246,14 +257,14 @@ class _StaticOffloaded:
         self._drop_prefetch()
         idx = beam_idx.to(_CPU)
         dsts = [self._host_k[:, :, :n], self._host_v[:, :, :n]]
-        srcs = [t[:, :, :n].index_select(0, idx) for t in (self.keys, self.values)]  # read once written
+        srcs = [t[:, :, :n].index_select(0, idx) for t in self._own_kv()]  # read once written
         # Host to host on the engine's stream, after the H2D copies still reading the arena layer.
         _engine.copy_into(dsts, srcs, True)
 
     def _rebatch(self, pick) -> None:
         if not self.is_initialized:
             return
-        k, v = (pick(t).contiguous() for t in (self.keys, self.values))
+        k, v = (pick(t).contiguous() for t in self._own_kv())
         self._set_arena(k, v)
         self.batch_size = k.shape[0]
 
@@ -281,7 +292,7 @@ class _StaticOffloaded:
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         if self._host_k is not None:
-            state["_host_k"], state["_host_v"] = self.keys, self.values  # waits for the D2H copies
+            state["_host_k"], state["_host_v"] = self._own_kv()  # waits for the D2H copies
         state.update(_buffers=None, _prefetched=None, _last_read=None, _dev_k=None, _dev_v=None)
         return state
 

@@ -79,3 +79,42 @@ def test_a_failed_update_leaves_the_layer_as_it_was(engine, monkeypatch, kind, f
         want = ref.update(k, v, 0)
         assert ours.get_seq_length(0) == ref.get_seq_length(0), f"step {i}"
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"step {i}"
+
+
+# References held across steps (issue 31 items 2 and 3) -------------------------------------------------
+
+
+def _ids(batch, n, seed):
+    return torch.randint(1, 128, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("engine", ["default", "host-1MiB-slow"], indirect=True)
+@pytest.mark.parametrize("how", ["tensor", "data", "numpy"])
+@pytest.mark.parametrize("kind", ["dynamic", "dynamic_sliding", "static", "static_sliding"])
+def test_a_reference_taken_before_a_step_and_edited_after_it_behaves_as_in_transformers(engine, how, kind):
+    """Take every layer's K/V before a step, run the step, then edit through the old references, and run
+    one more step. DynamicCache made new tensors at the step (the edit never reaches the cache);
+    StaticCache's are persistent (the edit is seen). offcache must agree on every layer: layer 0's
+    prefetch for the next step is issued before the edit, the others' after it."""
+    from tests.kv_models import edit_in_place, kw
+
+    ours, ref = _caches(kind)
+    model = causal_lm("mistral", sliding_window=6) if "sliding" in kind else causal_lm("llama")
+    ids, logits = _ids(2, 5, seed=4), {}
+    for name, cache in (("ref", ref), ("ours", ours)):
+        with torch.no_grad():
+            out = model(input_ids=ids, **kw(cache), use_cache=True).logits
+            held = [(layer.keys, layer.values) for layer in cache.layers]  # taken before the step
+            step = out[:, -1:].argmax(-1)
+            out = model(input_ids=step, **kw(cache), use_cache=True).logits
+            if name == "ours":
+                # An old reference to the arena sees a later step's D2H once it landed: the edit waits
+                # for it (docs/kv-caches.md). The prefetch for the next step was issued all the same.
+                offcache.synchronize()
+            for k, v in held:
+                edit_in_place(k, how, 0.5)
+                edit_in_place(v, how, -1.0)
+            step = out[:, -1:].argmax(-1)
+            logits[name] = model(input_ids=step, **kw(cache), use_cache=True).logits
+    gap = (logits["ours"] - logits["ref"]).abs().max()
+    assert torch.allclose(logits["ours"], logits["ref"], atol=1e-5, rtol=0), gap

@@ -106,12 +106,14 @@ std::optional<Block> Arena::allocate_existing(size_t bytes) {
 
 size_t Arena::begin_chunk(size_t bytes, std::string* error) {
   const size_t need = round_up(bytes);
-  // A new chunk is needed although spares are kept for a recent peak: none fits this request, so
-  // they go down to the quarter first (the bytes reserved stay near the bytes in use).
-  if (spares_past_quarter_) trim_spares(/*for_peak=*/false);
   // Oversized requests get a chunk of their own.
   size_t size = std::max(need, chunk_size());
-  const size_t held = reserved_ + pending_;
+  size_t held = reserved_ + pending_;
+  if ((held + size > options_.limit || held + size < held) && spares_past_quarter_) {
+    // Spares kept for a recent peak never cost the budget a chunk it needs.
+    trim_spares(/*for_peak=*/false);
+    held = reserved_ + pending_;
+  }
   if (held + size > options_.limit || held + size < held) {
     // Near the budget, a smaller chunk that still fits the request beats spilling.
     const size_t room = options_.limit > held
