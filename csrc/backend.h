@@ -49,6 +49,9 @@ struct Counters {
   // cudaHostRegister / cudaHostUnregister; on the host an mmap / munmap).
   std::atomic<uint64_t> chunks_made{0};
   std::atomic<uint64_t> chunks_released{0};
+  // Chunks whose cudaHostUnregister failed: kept mapped (and registered) for
+  // good, since unmapping memory the driver may still use would be worse.
+  std::atomic<uint64_t> chunks_kept_registered{0};
 };
 
 // A backend's chunk source, counted (Counters::chunks_made / chunks_released).

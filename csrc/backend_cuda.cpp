@@ -14,6 +14,7 @@
 
 #include <array>
 #include <atomic>
+#include <cstdio>
 #include <mutex>
 #include <set>
 #include <utility>
@@ -255,6 +256,30 @@ void pinned_after_fork_child() {
 const int g_fork_handlers =
     pthread_atfork(&pinned_before_fork, &pinned_after_fork_parent, &pinned_after_fork_child);
 
+// The calling thread's capture mode relaxed for its scope, for the chunk
+// registrations: they run on callers' threads (a store or fetch, a storage
+// deleter, synchronize, empty_cache, the thread deleting a retired engine),
+// where a graph capture in global or thread-local mode (this thread's or
+// another's) would make cudaHostRegister / cudaHostUnregister fail and
+// invalidate the capture. Never throws: if the mode cannot be exchanged it is
+// left as it was.
+class RelaxedCapture {
+ public:
+  RelaxedCapture() noexcept {
+    ok_ = cudaThreadExchangeStreamCaptureMode(&mode_) == cudaSuccess;
+    if (!ok_) (void)cudaGetLastError();
+  }
+  ~RelaxedCapture() {
+    if (ok_ && cudaThreadExchangeStreamCaptureMode(&mode_) != cudaSuccess) (void)cudaGetLastError();
+  }
+  RelaxedCapture(const RelaxedCapture&) = delete;
+  RelaxedCapture& operator=(const RelaxedCapture&) = delete;
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+  bool ok_;
+};
+
 // Pinned chunks: page-touched anonymous memory registered with the driver,
 // much cheaper per GiB than cudaHostAlloc. Registration failure (memlock
 // limits) returns nullptr so the engine spills instead of crashing.
@@ -267,7 +292,11 @@ class PinnedSource : public ChunkSource {
     void* p = pages_.allocate(bytes, error);
     if (p == nullptr) return nullptr;
     ++counters_.pinned_registrations;
-    const cudaError_t err = cudaHostRegister(p, bytes, cudaHostRegisterPortable);
+    cudaError_t err;
+    {
+      RelaxedCapture relaxed;
+      err = cudaHostRegister(p, bytes, cudaHostRegisterPortable);
+    }
     if (err != cudaSuccess) {
       (void)cudaGetLastError();
       pages_.release(p, bytes);
@@ -280,9 +309,8 @@ class PinnedSource : public ChunkSource {
     try {
       std::lock_guard<std::mutex> lock(g_pinned_mu);
       pinned_chunks().emplace(p, bytes);
-    } catch (const std::exception&) {  // no memory for the entry: no chunk either
-      (void)cudaHostUnregister(p);
-      pages_.release(p, bytes);
+    } catch (const std::exception&) {               // no memory for the entry: no chunk either
+      if (unregister(p)) pages_.release(p, bytes);  // else kept mapped: see release()
       if (error) *error = "out of memory registering a pinned chunk";
       return nullptr;
     }
@@ -297,16 +325,40 @@ class PinnedSource : public ChunkSource {
     return p;
   }
   void release(void* ptr, size_t bytes) noexcept override {
+    // A chunk that stays registered stays mapped (and listed for fork): memory
+    // the driver still has registered is never unmapped under it.
+    if (!unregister(ptr)) return;
     {
       std::lock_guard<std::mutex> lock(g_pinned_mu);
       pinned_chunks().erase({ptr, bytes});
     }
-    if (cudaHostUnregister(ptr) != cudaSuccess) (void)cudaGetLastError();
     pages_.release(ptr, bytes);
   }
   bool pinned() const override { return true; }
 
  private:
+  // cudaHostUnregister in relaxed capture mode; on failure the chunk is counted
+  // (chunks_kept_registered), one warning is printed, and false returned.
+  bool unregister(void* ptr) noexcept {
+    cudaError_t err;
+    {
+      RelaxedCapture relaxed;
+      err = cudaHostUnregister(ptr);
+    }
+    if (err == cudaSuccess) return true;
+    (void)cudaGetLastError();
+    ++counters_.chunks_kept_registered;
+    static std::atomic<bool> warned{false};
+    if (!warned.exchange(true)) {
+      std::fprintf(stderr,
+                   "offcache: cudaHostUnregister failed (%s); the pinned chunk is kept mapped "
+                   "instead of being returned to the OS (stats()[\"chunks_kept_registered\"] "
+                   "counts them; this warning is printed once)\n",
+                   cudaGetErrorString(err));
+    }
+    return false;
+  }
+
   Counters& counters_;
   std::function<void(int)> registered_;
   PageSource pages_;

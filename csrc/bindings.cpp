@@ -54,9 +54,10 @@ Ticket ticket_for(EventPtr event, const c10::Device& device,
                 std::move(handoff)};
 }
 
-// Every call that uses an engine releases the GIL first: a thread holding an
-// engine lock may need the GIL (a tensor with a Python object dying), so one
-// holding the GIL must never wait for an engine lock.
+// Every call that uses an engine releases the GIL first, so other Python
+// threads run while it copies or waits. The engine's lock is never held while
+// waiting for the GIL (engine.h): a thread holding the GIL may wait for it
+// (a dying block's release does), never the other way round.
 py::dict stats_dict() {
   offcache::EngineStats s;
   bool pinned;
@@ -112,6 +113,7 @@ py::dict stats_dict() {
   OFFCACHE_FIELD(threads_prepared);
   OFFCACHE_FIELD(chunks_made);
   OFFCACHE_FIELD(chunks_released);
+  OFFCACHE_FIELD(chunks_kept_registered);
   OFFCACHE_FIELD(host_limit_bytes);
   OFFCACHE_FIELD(disk_bytes);
   OFFCACHE_FIELD(disk_reserved_bytes);

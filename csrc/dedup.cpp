@@ -15,23 +15,43 @@ uint32_t version_of(const at::Tensor& t) {
 
 }  // namespace
 
-std::optional<at::Tensor> DedupTable::find(const at::Tensor& source, c10::Device target,
-                                           std::vector<at::Tensor>& dropped) {
-  if (!trackable(source)) return std::nullopt;
+const DedupTable::Entry* DedupTable::live_entry(const at::Tensor& source,
+                                                c10::Device target) const {
+  if (!trackable(source)) return nullptr;
   auto it = entries_.find(source.unsafeGetTensorImpl());
-  if (it == entries_.end()) return std::nullopt;
+  if (it == entries_.end()) return nullptr;
   const Entry& e = it->second;
   // The weak reference pins the TensorImpl's address, so a live match is the
   // same tensor, not a new one allocated where a dead one was.
-  if (e.source.expired() || e.target != target || !matches(e, source)) return std::nullopt;
-  auto stored = e.stored.lock();
+  if (e.source.expired() || e.target != target || !matches(e, source)) return nullptr;
+  return &e;
+}
+
+std::optional<DedupTable::Candidate> DedupTable::candidate(const at::Tensor& source,
+                                                           c10::Device target) const {
+  const Entry* e = live_entry(source, target);
+  if (e == nullptr || e->stored.expired()) return std::nullopt;
+  return Candidate{e->stored, e->stored_version};  // a weak count only: no Python
+}
+
+std::optional<at::Tensor> DedupTable::take(const Candidate& c, std::vector<at::Tensor>& dropped) {
+  // lock() may incref the stored copy's Python object (its only owner): the GIL.
+  auto stored = c.stored.lock();
   if (!stored) return std::nullopt;
   at::Tensor copy(std::move(stored));
-  if (version_of(copy) != e.stored_version) {  // the stored copy was edited
+  if (version_of(copy) != c.stored_version) {  // the stored copy was edited
     dropped.push_back(std::move(copy));
     return std::nullopt;
   }
   return copy;
+}
+
+bool DedupTable::confirm(const at::Tensor& source, c10::Device target,
+                         const at::Tensor& stored) const {
+  const Entry* e = live_entry(source, target);
+  // `stored` is alive (held by the caller): its address names it.
+  return e != nullptr && e->stored._unsafe_get_target() == stored.unsafeGetTensorImpl() &&
+         version_of(stored) == e->stored_version;
 }
 
 bool DedupTable::matches(const Entry& e, const at::Tensor& t) {

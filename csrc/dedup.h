@@ -5,6 +5,13 @@
 // and the stored copy was not edited (its version counter). The engine then
 // compares the bytes of CPU sources, which catches writes that bump nothing
 // (through .data, another alias, numpy); for GPU sources it cannot look.
+//
+// The table lives under the engine lock and never takes a strong reference:
+// it hands out candidates (weak references) and take() turns one into the
+// stored tensor after the lock is released. A strong reference made from a
+// weak one, and its release, may call into Python (torch increfs a tensor's
+// Python object when its only owner was that object, which needs the GIL),
+// and the engine lock is never held while waiting for the GIL (engine.h).
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -18,10 +25,21 @@ namespace offcache {
 
 class DedupTable {
  public:
-  // A rejected candidate goes to `dropped`: the caller destroys it unlocked
-  // (a tensor's destructor may need the GIL).
-  std::optional<at::Tensor> find(const at::Tensor& source, c10::Device target,
-                                 std::vector<at::Tensor>& dropped);
+  // A live entry's stored copy, held weakly, with its version when stored.
+  struct Candidate {
+    c10::weak_intrusive_ptr<c10::TensorImpl> stored;
+    uint32_t stored_version;
+  };
+  // Under the engine lock: the entry for `source` if it may still be a hit.
+  // Copies a weak reference only (no Python).
+  std::optional<Candidate> candidate(const at::Tensor& source, c10::Device target) const;
+  // Without the engine lock: the candidate's stored copy, or nullopt when it
+  // died or was edited. An edited copy goes to `dropped`: the caller lets it
+  // die unlocked too.
+  static std::optional<at::Tensor> take(const Candidate& c, std::vector<at::Tensor>& dropped);
+  // Under the engine lock again: whether `stored` (from take()) is still the
+  // live entry for `source`, both unchanged.
+  bool confirm(const at::Tensor& source, c10::Device target, const at::Tensor& stored) const;
   void insert(const at::Tensor& source, const at::Tensor& stored, c10::Device target);
   size_t size() const { return entries_.size(); }
 
@@ -37,6 +55,7 @@ class DedupTable {
     bool requires_grad;
     c10::Device target;
   };
+  const Entry* live_entry(const at::Tensor& source, c10::Device target) const;
   static bool matches(const Entry& e, const at::Tensor& source);
   void sweep();
   std::unordered_map<const c10::TensorImpl*, Entry> entries_;

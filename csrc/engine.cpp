@@ -472,6 +472,7 @@ EngineStats Engine::stats() {
   s.threads_prepared = c.threads_prepared;
   s.chunks_made = c.chunks_made;
   s.chunks_released = c.chunks_released;
+  s.chunks_kept_registered = c.chunks_kept_registered;
   s.host_limit_bytes = disk_options_.host_limit;
   if (disk_) {
     s.disk_bytes = disk_arena_->in_use_bytes();

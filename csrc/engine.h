@@ -44,6 +44,7 @@ struct EngineStats {
   size_t peak_host_bytes = 0;     // pinned in use + pageable, staging included: the host limit's
   uint64_t threads_prepared = 0;  // engine threads that selected their device (prepare_thread)
   uint64_t chunks_made = 0, chunks_released = 0;  // chunk registrations (CUDA), mmaps (host)
+  uint64_t chunks_kept_registered = 0;  // released chunks whose unregister failed: kept mapped
   size_t dedup_hits = 0, spills = 0, stores = 0, fetches = 0;
   // Memory the fetches allocated for their outputs (one per value of 1 MiB and more, one per
   // packed span of smaller values, whose outputs share it), and the outputs handed to the
@@ -276,7 +277,11 @@ class Engine {
   at::Tensor staging_buffer(size_t bytes, c10::Device device);
 
   std::unique_ptr<Backend> backend_;
-  std::mutex mu_;  // guards everything below; never held while a tensor dies
+  // Guards everything below. Never held while a tensor dies (its block's
+  // release takes it) nor while anything may wait for the GIL: a release takes
+  // it on a thread that may hold the GIL. So under it no tensor that Python
+  // may own changes its reference count (docs/design.md, "Locks and the GIL").
+  std::mutex mu_;
   PageSource pageable_;
   Arena arena_;
   DeferredFrees deferred_;

@@ -6,6 +6,11 @@
 // scope (mu_ plus what is retired under it), which releases mu_ before the
 // retired tensors die, on every path, a query that throws included (an arena
 // tensor dying calls release(), which takes mu_ again).
+//
+// Nor does anything under mu_ wait for the GIL (no Python-owned tensor's
+// reference count changes under it: engine.h, docs/design.md). release() runs
+// on the thread that dropped a block's last reference, often holding the GIL,
+// and waits for mu_: that is safe only because mu_'s holders never wait for it.
 #include <algorithm>
 #include <cstdio>
 

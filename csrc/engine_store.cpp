@@ -23,48 +23,74 @@ std::vector<at::Tensor> Engine::store(const std::vector<at::Tensor>& values, c10
     check_storable(v);
     resolve_once(v.device(), &resolved);
   }
-  // Dedup candidates rejected under the lock die after it (see DedupTable::find).
-  std::vector<at::Tensor> dropped;
+  // Repeats within this call share their first occurrence's result.
+  std::vector<at::Tensor> out(values.size());
+  std::vector<size_t> firsts;
+  std::vector<std::pair<size_t, size_t>> repeats;
   {
-    // A CPU dedup candidate is compared byte for byte with its stored copy,
-    // which must be written first: wait (unlocked) for copies still writing one.
-    std::vector<EventPtr> writes;
-    {
-      auto l = lock();
-      for (const auto& v : values) {
-        if (!v.device().is_cpu()) continue;
-        if (auto hit = dedup_.find(v, target, dropped)) {
-          if (EventPtr e = pending_write_of(*hit)) writes.push_back(std::move(e));
-          dropped.push_back(std::move(*hit));
-        }
+    std::unordered_map<const c10::TensorImpl*, size_t> first;
+    for (size_t i = 0; i < values.size(); ++i) {
+      auto [it, fresh] = first.emplace(values[i].unsafeGetTensorImpl(), i);
+      if (fresh) {
+        firsts.push_back(i);
+      } else {
+        repeats.emplace_back(i, it->second);
       }
     }
-    for (const auto& e : writes) backend_->sync(e);
   }
-  std::vector<at::Tensor> out(values.size());
-  std::vector<size_t> misses;
-  std::unordered_map<const c10::TensorImpl*, size_t> first;  // repeats within this call
-  std::vector<std::pair<size_t, size_t>> repeats;
+  // Dedup. The table is read under the lock, but the stored copies are taken
+  // (a strong reference, which may need the GIL) after it, and confirmed under
+  // it again: the lock is never held while waiting for the GIL (engine.h).
+  // Everything let go of here dies unlocked, at the end of the call.
+  std::vector<at::Tensor> dropped;
+  std::vector<std::pair<size_t, DedupTable::Candidate>> candidates;
   {
     auto l = lock();
     ++stats_.stores;
-    for (size_t i = 0; i < values.size(); ++i) {
-      const at::Tensor& v = values[i];
-      auto hit = dedup_.find(v, target, dropped);
-      if (hit && same_bytes(v, *hit)) {
-        out[i] = std::move(*hit);
-        ++stats_.dedup_hits;
-        continue;
-      }
-      if (hit) dropped.push_back(std::move(*hit));
-      if (auto it = first.find(v.unsafeGetTensorImpl()); it != first.end()) {
-        repeats.emplace_back(i, it->second);
-        ++stats_.dedup_hits;
-      } else {
-        first.emplace(v.unsafeGetTensorImpl(), i);
-        misses.push_back(i);
-      }
+    stats_.dedup_hits += repeats.size();
+    for (size_t i : firsts) {
+      if (auto c = dedup_.candidate(values[i], target)) candidates.emplace_back(i, std::move(*c));
     }
+  }
+  std::vector<std::pair<size_t, at::Tensor>> hits;
+  for (const auto& [i, c] : candidates) {
+    if (auto hit = DedupTable::take(c, dropped)) hits.emplace_back(i, std::move(*hit));
+  }
+  if (!hits.empty()) {
+    // A CPU hit is compared byte for byte with its stored copy, which must be
+    // written first: copies still writing one are waited for (unlocked) once.
+    for (bool waited = false;;) {
+      std::vector<EventPtr> writes;
+      {
+        auto l = lock();
+        for (auto& [i, hit] : hits) {
+          if (!hit.defined()) continue;
+          if (!dedup_.confirm(values[i], target, hit)) {
+            dropped.push_back(std::move(hit));
+          } else if (!waited && values[i].device().is_cpu()) {
+            if (EventPtr e = pending_write_of(hit)) writes.push_back(std::move(e));
+          }
+        }
+        if (writes.empty()) {
+          for (auto& [i, hit] : hits) {
+            if (!hit.defined()) continue;
+            if (same_bytes(values[i], hit)) {
+              out[i] = std::move(hit);
+              ++stats_.dedup_hits;
+            } else {
+              dropped.push_back(std::move(hit));
+            }
+          }
+          break;
+        }
+      }
+      for (const auto& e : writes) backend_->sync(e);
+      waited = true;
+    }
+  }
+  std::vector<size_t> misses;
+  for (size_t i : firsts) {
+    if (!out[i].defined()) misses.push_back(i);
   }
   if (target.is_cpu()) {
     std::vector<at::Tensor> sources;

@@ -64,6 +64,7 @@ class _Stats(TypedDict):
     threads_prepared: int
     chunks_made: int
     chunks_released: int
+    chunks_kept_registered: int
     bounce_reserved_bytes: int
     bounce_pageable: int
     file_fetches: int

@@ -286,3 +286,44 @@ def test_engine_calls_during_a_capture_neither_break_it_nor_leak(engine_config):
     (again,) = _engine.store([x], CPU)  # the engine is not sticky
     _engine.wait_stored(again)
     assert torch.equal(again, x.cpu())
+
+
+def test_chunks_pinned_and_released_beside_a_capture_leave_it_valid(engine_config):
+    # While this thread captures a graph in global mode (the default), another thread makes the
+    # engine pin a new chunk (cudaHostRegister), drops its value, and empty_cache() gives the
+    # chunk back (cudaHostUnregister). Chunk registrations run in relaxed capture mode on whatever
+    # thread makes them (issue 32): the capture stays valid and no chunk is kept registered.
+    import threading
+
+    engine_config(backend="cuda")
+    static_in = torch.ones(1024, device=DEV)
+    torch.cuda.synchronize()
+    before = offcache.stats()
+    errors = []
+
+    def pin_and_release():
+        try:
+            big = torch.randn(16 << 20)  # 64 MiB: a new chunk
+            (stored,) = _engine.store([big], CPU)
+            _engine.wait_stored(stored)
+            assert torch.equal(stored, big)
+            del stored  # its block's release, on this thread
+            offcache.synchronize()
+            assert offcache.empty_cache() > 0
+        except BaseException as e:  # noqa: BLE001 - reported by the capturing thread
+            errors.append(e)
+
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_out = static_in * 2
+        worker = threading.Thread(target=pin_and_release)
+        worker.start()
+        worker.join(120)
+    assert not worker.is_alive() and not errors, errors
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.all(static_out == 2)
+    s = offcache.stats()
+    assert s["chunks_made"] > before["chunks_made"], (before, s)
+    assert s["chunks_released"] > before["chunks_released"], (before, s)
+    assert s["chunks_kept_registered"] == 0

@@ -205,3 +205,87 @@ def test_a_query_unknown_for_now_leaves_a_freed_block_pending_not_leaked(engine_
     (y,) = _engine.store([torch.ones(8)], torch.device("cpu"))
     del y
     assert offcache.stats()["leaked_blocks"] == 0  # still reusing, not leaking
+
+
+# Storing, dedup-hitting, fetching and freeing threads on the host backend. A stored copy whose
+# only owner is its Python object gets a strong reference at a dedup hit, which may incref that
+# object (the GIL); a thread dropping a stored value holds the GIL and takes the engine's lock to
+# release its block. Neither may wait for the other under its own (issue 32): the engine never
+# holds its lock while waiting for the GIL. A hang dumps every thread's stack and fails.
+_LOCK_ORDER_STRESS = r"""
+import faulthandler, random, sys, threading, time
+import torch, offcache
+from offcache import _engine
+
+faulthandler.dump_traceback_later(DEADLINE, exit=True)
+sys.setswitchinterval(1e-5)  # the GIL changes hands often: more interleavings
+offcache.configure(backend="host", disk_dir="none")
+cpu = torch.device("cpu")
+sources = [torch.randn(64 + 16 * i) for i in range(24)]
+kept = _engine.store(sources, cpu)  # the stored copies' only owners: their Python objects
+kept_lock = threading.Lock()
+stop = time.monotonic() + SECONDS
+errors, counts = [], {}
+
+
+def loop(name, body):
+    rng = random.Random(name)
+    n = 0
+    try:
+        while time.monotonic() < stop:
+            body(rng)
+            n += 1
+    except BaseException as e:
+        errors.append(f"{name}: {e!r}")
+    counts[name] = n
+
+
+def storing(rng, pool=[]):
+    pool.append(_engine.store([torch.randn(rng.randrange(1, 4096)) for _ in range(4)], cpu))
+    if len(pool) > 32:
+        pool.pop(rng.randrange(len(pool)))  # dies here, the GIL held
+
+
+def hitting(rng):
+    k = rng.randrange(len(sources))
+    (hit,) = _engine.store([sources[k]], cpu)  # a new copy when `freeing` just dropped it
+    _engine.wait_stored(hit)
+    assert torch.equal(hit, sources[k])
+
+
+def fetching(rng):
+    with kept_lock:
+        some = rng.sample(kept, 4)
+    back, _ = _engine.fetch(some, cpu)
+    assert all(torch.equal(a, b) for a, b in zip(some, back))
+
+
+def freeing(rng):
+    k = rng.randrange(len(sources))
+    with kept_lock:
+        kept[k] = None  # the stored copy's last owner: its block is released, the GIL held
+        (kept[k],) = _engine.store([sources[k]], cpu)
+
+
+threads = [threading.Thread(target=loop, args=(f"{f.__name__}{i}", f)) for f in (storing, hitting, fetching, freeing)
+           for i in range(2)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+offcache.synchronize()
+faulthandler.cancel_dump_traceback_later()
+assert not errors, errors
+assert all(counts.values()), counts
+print("OK", counts, offcache.stats()["dedup_hits"], flush=True)
+"""
+
+
+def test_storing_dedup_fetching_and_freeing_threads_do_not_deadlock(tmp_path):
+    deadline = 90  # a hang: faulthandler prints every thread's stack and exits
+    try:
+        script = f"DEADLINE, SECONDS = {deadline}, 3.0\n" + _LOCK_ORDER_STRESS
+        proc = run_with_this_checkout(script, tmp_path, timeout=deadline + 30)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the stress run hung past {deadline + 30} s: {e.stderr!r:.3000}")
+    assert proc.returncode == 0 and "OK" in proc.stdout, (proc.stdout[-2000:], proc.stderr[-4000:])

@@ -8,6 +8,12 @@
 // payloads into a Retiring scope, which holds the lock and on leaving,
 // normally or by an exception (a query that throws on a broken CUDA
 // context), releases the lock first and destroys them after.
+//
+// Its owner's lock is also never held while waiting for the GIL: a payload
+// dying (a block's release) takes the lock on a thread that may hold the GIL.
+// So the payloads' reference counts change only outside it or by moves
+// (taking a strong reference to a tensor whose only owner is its Python
+// object, or dropping it, increfs or decrefs that object under the GIL).
 #pragma once
 
 #include <algorithm>
