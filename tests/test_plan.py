@@ -477,3 +477,35 @@ def test_an_approximate_disk_split_is_said_so(engine_config, tmp_path):
     assert plan.SPLIT_APPROXIMATE in p.advice and "approximate" in plan.render(p)
     engine_config(backend="host", host_limit="1TiB", disk_dir=tmp_path)
     assert plan.SPLIT_APPROXIMATE not in plan.estimate(shape=SHAPE, samples=10**6, seq_len=16).advice
+
+
+@pytest.mark.parametrize(
+    "make, limit, name",
+    [(lambda t: t.OPTConfig(**config_of("opt").to_dict() | {"max_position_embeddings": 32}), 32,
+      "max_position_embeddings"),
+     (lambda t: t.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=96, n_positions=32), 32, "n_positions"),
+     (lambda t: t.GPTNeoConfig(hidden_size=64, num_layers=2, num_heads=4, vocab_size=96,
+                               attention_types=[[["global"], 2]], max_position_embeddings=32), 32,
+      "max_position_embeddings")],
+)  # fmt: skip
+def test_a_sequence_past_learned_positions_is_an_error_naming_the_limit(make, limit, name, capsys, tmp_path):
+    config = make(transformers)
+    assert plan.estimate(config, samples=2, seq_len=limit, dtype="float32").method == "traced"
+    with pytest.raises(ValueError, match=f"seq_len 48 .* {limit} learned positions .*{name}={limit}"):
+        plan.estimate(config, samples=2, seq_len=48, dtype="float32")
+    config.save_pretrained(tmp_path)
+    with pytest.raises(SystemExit):
+        plan.main(["--config", str(tmp_path), "--samples", "2", "--seq-len", "48"])
+    assert f"{name}={limit}" in capsys.readouterr().err
+
+
+def test_a_sequence_past_rope_positions_is_a_warning_and_alibi_has_none():
+    config = transformers.LlamaConfig(**{**TINY, "max_position_embeddings": 32})
+    within = plan.estimate(config, samples=2, seq_len=32, dtype="float32")
+    assert not any("max_position_embeddings" in a for a in within.advice)
+    past = plan.estimate(config, samples=2, seq_len=48, dtype="float32")
+    (line,) = [a for a in past.advice if "max_position_embeddings=32" in a]
+    assert "--seq-len 48" in line and "rotary" in line and past.method == "traced"
+    bloom = transformers.BloomConfig(hidden_size=64, n_layer=2, n_head=4, vocab_size=96)
+    p = plan.estimate(bloom, samples=2, seq_len=4096, dtype="float32")
+    assert not any("position" in a for a in p.advice)
