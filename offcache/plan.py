@@ -5,9 +5,10 @@ itself (offcache.plan_trace): its config is built on the meta device, traced wit
 llm-compressor's own ``trace_subgraphs`` (with the run's ``sequential_targets`` and
 ``sequential_targets_per_subgraph``) and its subgraphs run on meta tensors, so every value that
 crosses a boundary has its true shape and dtype, for any model the pipeline can trace. The
-cache's calls are then replayed batch by batch as the pipeline makes them, the way offcache's
-engine holds memory (offcache.plan_sim). Only when there is no config, or the model cannot be
-traced here, a Llama formula stands in, and the output says so and why.
+cache's calls are then replayed as the pipeline makes them, the way offcache's engine holds
+memory (offcache.plan_sim), batches of one shape together: 10**9 samples cost what 10 do.
+Only when there is no config, or the model cannot be traced here, a Llama formula stands in,
+and the output says so and why.
 
 Every batch is taken at ``seq_len`` tokens: with the truncation collator (llm-compressor's
 default) a batch is cut to its shortest sample and to max_seq_length; with the padding collator
@@ -54,6 +55,10 @@ H200_GPU_BYTES = 141 * 10**9
 H200_GPU_SOURCE = "published: NVIDIA H200 datasheet, 141 GB HBM3e (no GPU visible here)"
 GPU_WEIGHT_SHARE = 0.9  # assumed: the rest of the GPU's memory is left to activations
 COLLATORS = ("truncation", "padding")
+SPLIT_APPROXIMATE = (
+    "The disk tier's writes and reads are approximate: stores alternated between memory and disk over many "
+    "batches, and which of them fitted is not tracked batch by batch (the cache peak and the transfers are exact)."
+)
 
 
 @dataclass
@@ -211,9 +216,10 @@ def _formula_weights(shape: Shape, dtype) -> Shape:
     return shape
 
 
-def _batch_sizes(samples: int, batch_size: int) -> list[int]:
+def _batch_groups(samples: int, batch_size: int) -> list[tuple[int, int]]:
+    """(batch size, how many batches of it) in the dataloader's order: the full batches, then the rest."""
     full, rest = divmod(samples, batch_size)
-    return [batch_size] * full + ([rest] if rest else [])
+    return [(size, n) for size, n in ((batch_size, full), (rest, 1 if rest else 0)) if n]
 
 
 def load_config(name: str | os.PathLike):
@@ -240,6 +246,51 @@ def load_config(name: str | os.PathLike):
     raise ValueError(
         f"--config {path!r} is neither a folder with a config.json, a config.json file, nor a Hub id in the "
         "local cache (the planner does not download)"
+    )
+
+
+# Families whose positions are a learned table of absolute positions: a longer sequence indexes past it.
+LEARNED_POSITIONS = ("opt", "gpt2", "gpt_neo", "gpt_bigcode", "biogpt", "bart", "mbart", "bert", "roberta",
+                     "xlm-roberta", "megatron-bert")  # fmt: skip
+POSITION_LIMITS = ("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx")
+ROTARY_SIGNS = ("rope_parameters", "rope_theta", "rope_scaling", "rotary_dim", "rotary_pct", "partial_rotary_factor",
+                "rotary_emb_base")  # fmt: skip
+
+
+def position_limit(config) -> tuple[str, str, int] | None:
+    """(kind, the config's attribute, its value) of the text model's positions, kind 'learned' or 'rotary';
+    None when its config names no limit or its positions have none (ALiBi, computed, no positions)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    name = next((n for n in POSITION_LIMITS if isinstance(getattr(text, n, None), int)), None)
+    if name is None or getattr(text, "alibi", False):
+        return None
+    name = getattr(text, "attribute_map", {}).get(name, name)  # as its config.json names it (GPT-2: n_positions)
+    model_type = getattr(text, "model_type", "")
+    if model_type in LEARNED_POSITIONS or getattr(text, "learned_pos_emb", False) \
+            or getattr(text, "position_embedding_type", None) == "absolute":  # fmt: skip
+        return "learned", name, getattr(text, name)
+    if any(getattr(text, a, None) is not None for a in ROTARY_SIGNS) or \
+            getattr(text, "position_embedding_type", None) == "rotary":  # fmt: skip
+        return "rotary", name, getattr(text, name)
+    return None
+
+
+def _positions(config, seq_len: int) -> str | None:
+    """Raise when seq_len is past a learned position table; the advice line when past a rotary model's."""
+    found = position_limit(config)
+    if found is None or seq_len <= found[2]:
+        return None
+    kind, name, limit = found
+    family = getattr(config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config,
+                     "model_type", "") or type(config).__name__  # fmt: skip
+    if kind == "learned":
+        raise ValueError(
+            f"seq_len {seq_len} is past the model's {limit} learned positions ({family}, {name}={limit}): the run "
+            f"would fail indexing its position embeddings; give --seq-len {limit} or less"
+        )
+    return (
+        f"--seq-len {seq_len} is past the model's trained positions ({family}, {name}={limit}): its rotary "
+        "positions run past it, but the model's outputs (and so the calibration) may degrade there."
     )
 
 
@@ -441,22 +492,24 @@ def estimate(
             raise ValueError("estimate() needs a model config (or a path to one), or shape=Shape(...)")
         if isinstance(config, (str, os.PathLike)):
             config = load_config(config)
-    sizes = _batch_sizes(samples, batch_size)
+    past_positions = _positions(config, seq_len) if shape is None else None
+    groups = _batch_groups(samples, batch_size)
+    sizes = [size for size, _ in groups]
     per_size, shape, method, reason, notes, (weight_total, walked) = _subgraphs(
         None if shape is not None else config, shape, dtype, sizes, seq_len, sequential_targets, targets_per_subgraph
     )
-    per_batch = [per_size[b] for b in sizes]
-    inputs = [plan_sim.inputs_of(b, seq_len) for b in sizes]
+    inputs = {b: plan_sim.inputs_of(b, seq_len) for b in sizes}
     settings = _engine.settings()
-    replay = plan_sim.simulate(per_batch, inputs, onload=onload, host_limit=settings.get("host_limit", 0),
-                               passes=2 if propagate_error else 1)  # fmt: skip
+    replay = plan_sim.simulate_groups([(n, per_size[b], inputs[b]) for b, n in groups], onload=onload,
+                                      host_limit=settings.get("host_limit", 0),
+                                      passes=2 if propagate_error else 1)  # fmt: skip
     tiers = _tiers(replay.peak_bytes, settings)
-    first = per_batch[0]
+    first = per_size[sizes[0]]
     weights = _weights([sg.weight_bytes for sg in first], weight_total, walked, onload, _gpu_bytes(gpu_bytes),
                        tiers.memory_bytes - min(replay.peak_bytes, tiers.host_limit_bytes))  # fmt: skip
     boundaries = []
     for k, sg in enumerate(first[:-1]):
-        total = sum(sum(n for _, n in _distinct(per_size[b][k].outputs)) for b in sizes)
+        total = sum(n * sum(nbytes for _, nbytes in _distinct(per_size[b][k].outputs)) for b, n in groups)
         boundaries.append(Boundary(
             subgraph=k, targets=_targets(sg.targets), values=dict(sg.shapes), weight_bytes=sg.weight_bytes,
             batch_bytes=sum(n for _, n in _distinct(sg.outputs)), tensors=len(_distinct(sg.outputs)), total_bytes=total,
@@ -468,11 +521,12 @@ def estimate(
     weight_seconds = w_host / (pageable_gbps * 1e9) + weights.onload_disk_bytes / (disk_read_gbps * 1e9)
     bounded = not uniform_lengths
     return Plan(
-        samples=samples, batch_size=batch_size, batches=len(sizes), seq_len=seq_len, collator=collator,
+        samples=samples, batch_size=batch_size, batches=sum(n for _, n in groups), seq_len=seq_len, collator=collator,
         dtype=str(dtype).replace("torch.", ""), onload=onload,
         sequential_targets=list(sequential_targets or []), targets_per_subgraph=targets_per_subgraph,
         method=method, method_reason=reason, notes=list(notes), shape=shape,
-        input_bytes=sum(sum(n for _, n in _distinct(i)) for i in inputs), boundaries=boundaries,
+        input_bytes=sum(n * sum(nbytes for _, nbytes in _distinct(inputs[b])) for b, n in groups),
+        boundaries=boundaries,
         cache_peak_bytes=replay.peak_bytes, weights=weights, tiers=tiers, d2h_bytes=d2h, h2d_bytes=h2d,
         disk_write_bytes=replay.disk_write_bytes, disk_read_bytes=replay.disk_read_bytes,
         pinned_gbps=pinned_gbps, pinned_source=H200_PINNED_SOURCE if pinned_gbps == H200_PINNED_GBPS else "given",
@@ -482,7 +536,8 @@ def estimate(
         seconds_pinned=(d2h + h2d) / (pinned_gbps * 1e9), seconds_pageable=(d2h + h2d) / (pageable_gbps * 1e9),
         seconds_disk=disk_seconds, seconds_weights=weight_seconds,
         advice=_advice(replay.peak_bytes, tiers, weights, method, reason, bounded,
-                       settings.get("max_in_flight", 0) if onload == "cpu" else 0),  # fmt: skip
+                       settings.get("max_in_flight", 0) if onload == "cpu" else 0)
+        + ([SPLIT_APPROXIMATE] if replay.approximate else []) + ([past_positions] if past_positions else []),
     )  # fmt: skip
 
 

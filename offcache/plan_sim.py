@@ -1,6 +1,6 @@
 """The planner's replay of the sequential pipeline's cache calls, and its Llama-formula fallback.
 
-`simulate` replays what llm-compressor 0.14's SequentialPipeline does to the cache:
+`simulate_groups` replays what llm-compressor 0.14's SequentialPipeline does to the cache:
 ``IntermediatesCache.from_dataloader`` stores each batch, then for each subgraph but the last,
 batch by batch, ``update(outputs)`` then ``delete(consumed_names)``; every subgraph fetches its
 ``input_names`` once per pass (two passes with ``propagate_error``, llm-compressor's default).
@@ -35,6 +35,7 @@ class Replay:
     disk_write_bytes: int
     disk_read_bytes: int
     disk_peak_bytes: int
+    approximate: bool = False  # the memory/disk split after a long alternating run is approximate (see _fast_forward)
 
 
 def inputs_of(batch: int, seq: int) -> dict[str, list]:
@@ -44,7 +45,208 @@ def inputs_of(batch: int, seq: int) -> dict[str, list]:
 
 def simulate(per_batch: list[list[SubgraphValues]], inputs: list[dict], *, onload: str, host_limit: int,
              passes: int = 2) -> Replay:  # fmt: skip
-    """Replay the pipeline over batches; per_batch[b][k] is subgraph k's values for batch b."""
+    """Replay the pipeline over batches; per_batch[b][k] is subgraph k's values for batch b.
+
+    Consecutive batches given the same subgraph list and inputs are replayed as one group
+    (simulate_groups)."""
+    groups: list[list] = []
+    for subgraphs, given in zip(per_batch, inputs):
+        if groups and groups[-1][1] is subgraphs and groups[-1][2] == given:
+            groups[-1][0] += 1
+        else:
+            groups.append([1, subgraphs, given])
+    return simulate_groups([tuple(g) for g in groups], onload=onload, host_limit=host_limit, passes=passes)
+
+
+@dataclass
+class _Store:
+    """One batch's update() in a template: the new block, and the blocks it and the deletes after it empty."""
+
+    block: int  # the new block's number in the template
+    size: int  # its bytes in the arena (aligned)
+    raw: int  # its tensors' bytes (D2H)
+    over: list[int]  # blocks emptied by storing a name again (before the new block is counted)
+    after: list[int]  # blocks emptied by the deletes after it (the new one may be among them)
+
+
+@dataclass
+class _Template:
+    """What one batch of one shape does to the cache, in blocks numbered per batch."""
+
+    sizes: list[int]  # block number -> bytes
+    stores: list[_Store]  # the calibration set's, then each subgraph's but the last's
+    fetches: list[list[tuple[int, int]]]  # per subgraph: (block, bytes) fetched once per pass
+
+
+def _template(subgraphs: list[SubgraphValues], inputs: dict) -> _Template:
+    """Replay one batch alone, as simulate_each does, recording which block each call touches."""
+    sizes: list[int] = []
+    names_of: list[set] = []
+    where: dict[str, int] = {}
+    leaves_of: dict[str, list] = {}
+    stores: list[_Store] = []
+    fetches: list[list[tuple[int, int]]] = []
+
+    def drop(name: str, emptied: list[int]) -> None:
+        ident = where.pop(name)
+        leaves_of.pop(name, None)
+        names_of[ident].discard(name)
+        if not names_of[ident]:
+            emptied.append(ident)
+
+    def store(values: dict[str, list], consumed) -> None:
+        distinct: dict = {}
+        for leaves in values.values():
+            for key, nbytes in leaves:
+                distinct.setdefault(key, nbytes)
+        ident = len(sizes)
+        sizes.append(sum(aligned(v) for v in distinct.values()))
+        names_of.append(set(values))
+        over: list[int] = []
+        for name in values:
+            if name in where:
+                drop(name, over)
+            where[name] = ident
+            leaves_of[name] = values[name]
+        after: list[int] = []
+        for name in consumed:
+            if name in where:
+                drop(name, after)
+        stores.append(_Store(ident, sizes[ident], sum(distinct.values()), over, after))
+
+    store(inputs, ())
+    for k, sg in enumerate(subgraphs):
+        seen: set = set()
+        fetched: dict[int, int] = {}
+        for name in sg.input_names:
+            if name not in where:
+                continue
+            for key, nbytes in leaves_of[name]:
+                if key not in seen:
+                    seen.add(key)
+                    fetched[where[name]] = fetched.get(where[name], 0) + nbytes
+        fetches.append(sorted(fetched.items()))
+        if k < len(subgraphs) - 1:
+            store(sg.outputs, sg.consumed_names)
+    return _Template(sizes, stores, fetches)
+
+
+def simulate_groups(groups: list[tuple[int, list[SubgraphValues], dict]], *, onload: str, host_limit: int,
+                    passes: int = 2) -> Replay:  # fmt: skip
+    """Replay the pipeline over groups of alike batches, (count, subgraph values, inputs) in batch order.
+
+    The same numbers as simulate_each over every batch, at a cost that does not grow with the counts:
+    batches of one shape whose blocks sit in the same tiers form a run, and a run's stores are taken
+    in closed form, split only where blocks stop (or start) fitting under the host limit. Runs stay
+    few: a batch with a block in host memory holds at least its bytes there, so at most about
+    host_limit / (the smallest block) batches differ from their neighbours.
+    """
+    templates = [_template(subgraphs, given) for count, subgraphs, given in groups]
+    subgraphs = min((len(g[1]) for g in groups if g[0]), default=0)
+    # a run: [group, count, the numbers of its live blocks on disk]
+    runs: list[list] = [[g, count, frozenset()] for g, (count, _, _) in enumerate(groups) if count > 0]
+    st = {"host": 0, "disk": 0, "peak": 0, "disk_peak": 0, "d2h": 0, "h2d": 0, "dw": 0, "dr": 0, "approximate": False}
+    limit = host_limit
+
+    def stores(runs: list[list], which: int) -> list[list]:
+        out: list[list] = []
+        for g, count, on_disk in runs:
+            s = templates[g].stores[which]
+            sizes = templates[g].sizes
+            staging = s.size if onload == "cpu" else 0
+            emptied = set(s.over) | set(s.after)
+            moves = {}
+            for disk in (False, True):
+                tier = on_disk | {s.block} if disk else on_disk
+                over_d = sum(sizes[i] for i in s.over if i in tier)
+                over_h = sum(sizes[i] for i in s.over) - over_d
+                after_d = sum(sizes[i] for i in s.after if i in tier)
+                after_h = sum(sizes[i] for i in s.after) - after_d
+                mid_h = (0 if disk else s.size) - over_h
+                mid_d = (s.size if disk else 0) - over_d
+                moves[disk] = (mid_h - after_h, mid_d, mid_d - after_d, frozenset(tier - emptied))
+            steps = 0
+            while count:
+                h, d = st["host"], st["disk"]
+                steps += 1
+                if steps > FAST_FORWARD and _alternates(moves, h, limit - s.size):
+                    out.extend(_fast_forward(st, g, count, moves, s, staging, limit))
+                    st["approximate"] = True
+                    break
+                disk = h + s.size > limit
+                dh, mid_d, dd, tier = moves[disk]
+                if not disk:  # fits while h + j*dh + size <= limit
+                    m = count if dh <= 0 else min(count, (limit - s.size - h) // dh + 1)
+                else:  # spills while h + j*dh + size > limit
+                    m = count if dh >= 0 else min(count, -(-(h + s.size - limit) // -dh))
+                st["peak"] = max(st["peak"], h + d + s.size + staging + max(0, (m - 1) * (dh + dd)))
+                st["disk_peak"] = max(st["disk_peak"], d + mid_d + max(0, (m - 1) * dd))
+                st["host"], st["disk"] = h + m * dh, d + m * dd
+                st["d2h"] += m * s.raw
+                if disk:
+                    st["dw"] += m * s.size
+                if out and out[-1][0] == g and out[-1][2] == tier:
+                    out[-1][1] += m
+                else:
+                    out.append([g, m, tier])
+                count -= m
+        return out
+
+    runs = stores(runs, 0)
+    peaks = [st["peak"]]
+    for k in range(subgraphs):
+        st["peak"] = st["host"] + st["disk"]
+        for g, count, on_disk in runs:
+            for block, nbytes in templates[g].fetches[k]:
+                st["h2d"] += passes * count * nbytes
+                if block in on_disk:
+                    st["dr"] += passes * count * nbytes
+        if k < subgraphs - 1:
+            runs = stores(runs, k + 1)
+        peaks.append(st["peak"])
+    return Replay(max(peaks), peaks, st["d2h"], st["h2d"], st["dw"], st["dr"], st["disk_peak"], st["approximate"])
+
+
+FAST_FORWARD = 256  # sub-runs of one run before a run that alternates between memory and disk is taken at once
+
+
+def _alternates(moves: dict, h: int, threshold: int) -> bool:
+    """Whether a run's stores now alternate for good: a store that fits raises the host bytes, one that
+    spills lowers them, the total moves alike either way, and h is inside the window they cycle in."""
+    a, b = moves[False][0], -moves[True][0]
+    same_total = moves[False][0] + moves[False][2] == moves[True][0] + moves[True][2]
+    return a > 0 and b > 0 and same_total and threshold - b < h <= threshold + a
+
+
+def _fast_forward(st: dict, g: int, count: int, moves: dict, s: _Store, staging: int, limit: int) -> list[list]:
+    """The rest of an alternating run at once. Host bytes h go up by a when a store fits (h <= limit - size)
+    and down by b when it spills: a rotation by a on a window of a + b, so after `count` stores h is known,
+    and with it how many fitted. Memory, disk, transfers and the peak are exact; which batches fitted is
+    not kept (those that fitted come first in the runs returned), so later subgraphs' split between
+    memory and disk is approximate."""
+    (a, mid_fit, dd_h, tier_h), (dh_d, mid_spill, dd_d, tier_d) = moves[False], moves[True]
+    b = -dh_d
+    low = limit - s.size - b  # the window h cycles in: (low, low + a + b]
+    h, d = st["host"], st["disk"]
+    end = low + (h - low - 1 + count * a) % (a + b) + 1
+    fitted = (end - h + count * b) // (a + b)
+    spilled = count - fitted
+    step = a + dd_h  # the total's change, alike either way
+    st["peak"] = max(st["peak"], h + d + s.size + staging + max(0, (count - 1) * step))
+    d_end = d + fitted * dd_h + spilled * dd_d
+    st["disk_peak"] = max(st["disk_peak"], max(d, d_end) + max(mid_fit, mid_spill, 0) + max(dd_h, dd_d, 0))
+    st["host"], st["disk"] = end, d_end
+    st["d2h"] += count * s.raw
+    st["dw"] += spilled * s.size
+    return [[g, n, tier] for n, tier in ((fitted, tier_h), (spilled, tier_d)) if n]
+
+
+def simulate_each(per_batch: list[list[SubgraphValues]], inputs: list[dict], *, onload: str, host_limit: int,
+             passes: int = 2) -> Replay:  # fmt: skip
+    """Replay the pipeline batch by batch; per_batch[b][k] is subgraph k's values for batch b.
+
+    The reference for simulate_groups (its cost grows with the batches).
+    """
     n = len(per_batch)
     blocks: dict[int, list] = {}  # id -> [bytes, live names, on disk]
     where: list[dict[str, int]] = [{} for _ in range(n)]

@@ -1,6 +1,7 @@
 """The planner, python -m offcache.plan: what it traces, its arithmetic, its checks and its command line."""
 
 import dataclasses
+import itertools
 import json
 
 import pytest
@@ -342,3 +343,169 @@ def test_the_replay_deletes_and_dedups_as_the_engine_does():
     # which deleting a does not free (b and c live on).
     assert r.peaks == [256, 256 + 768, 768 + 1024, 768 + 1024] and r.d2h_bytes == 8 + 400 + 1000
     assert r.h2d_bytes == 2 * (8 + 400 + (100 + 300 + 1000))
+
+
+def _groups(per_size, sizes, seq):
+    """(count, subgraphs, inputs) runs of consecutive batches of one size, in batch order."""
+    out = []
+    for b in sizes:
+        if out and out[-1][1] is per_size[b]:
+            out[-1][0] += 1
+        else:
+            out.append([1, per_size[b], plan_sim.inputs_of(b, seq)])
+    return [tuple(g) for g in out]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("samples, batch_size, seq", [(1, 1, 8), (7, 2, 24), (10, 3, 16), (9, 4, 40), (5, 5, 12)])
+def test_the_grouped_replay_is_the_batch_by_batch_one(family, samples, batch_size, seq):
+    # The replay groups batches by shape (full batches, then a remainder batch): the same numbers as
+    # replaying every batch, whether its blocks fit under the host limit, spill to disk, or alternate.
+    config = config_of(family)
+    traced = plan_trace.trace(config, torch.float32, batch_size, seq)
+    sizes = [batch_size] * (samples // batch_size) + ([samples % batch_size] if samples % batch_size else [])
+    per_size = {b: traced.run(b, seq) for b in set(sizes)}
+    for passes, onload, host_limit in itertools.product((1, 2), ("cuda", "cpu"), (1 << 40, 0, 6000, 40000, 123457)):
+        each = plan_sim.simulate_each([per_size[b] for b in sizes], [plan_sim.inputs_of(b, seq) for b in sizes],
+                                      onload=onload, host_limit=host_limit, passes=passes)  # fmt: skip
+        grouped = plan_sim.simulate_groups(_groups(per_size, sizes, seq), onload=onload, host_limit=host_limit,
+                                           passes=passes)  # fmt: skip
+        assert grouped == each, (passes, onload, host_limit)
+
+
+@pytest.mark.parametrize("host_limit", [1 << 40, 0, 3000, 50000, 10**6])
+def test_the_grouped_replay_of_the_formula_at_many_sizes(host_limit):
+    shape = dataclasses.replace(plan._formula_weights(dataclasses.replace(SHAPE), torch.float32), layers=4,
+                                weight_bytes_per_layer=[1] * 4)  # fmt: skip
+    for samples, batch_size, seq in [(40, 3, 8), (33, 8, 5), (64, 1, 3), (17, 16, 7)]:
+        sizes = [batch_size] * (samples // batch_size) + ([samples % batch_size] if samples % batch_size else [])
+        per_size = {b: plan_sim.formula_subgraphs(shape, b, seq, torch.float32) for b in set(sizes)}
+        for onload in ("cuda", "cpu"):
+            each = plan_sim.simulate_each([per_size[b] for b in sizes], [plan_sim.inputs_of(b, seq) for b in sizes],
+                                          onload=onload, host_limit=host_limit)  # fmt: skip
+            grouped = plan_sim.simulate_groups(_groups(per_size, sizes, seq), onload=onload, host_limit=host_limit)
+            assert grouped == each, (samples, batch_size, seq, onload)
+
+
+def test_a_billion_samples_cost_what_ten_do(engine_config, tmp_path):
+    import time
+
+    config = config_of("llama")
+    for limits in ({}, {"host_limit": "64MiB", "disk_dir": tmp_path}):
+        engine_config(backend="host", **limits)
+        start = time.perf_counter()
+        big = plan.estimate(config, samples=10**9 + 1, seq_len=16, batch_size=4, dtype="float32")
+        assert time.perf_counter() - start < 5
+        assert big.batches == 250_000_001 and big.input_bytes == (10**9 + 1) * 16 * 16
+        small = plan.estimate(config, samples=9, seq_len=16, batch_size=4, dtype="float32")
+        assert big.boundaries[1].batch_bytes == small.boundaries[1].batch_bytes
+        assert big.boundaries[1].total_bytes == (10**9 + 1) * 16 * 128 * 4
+        assert big.cache_peak_bytes > 10**9 * 16 * 128 * 4
+    assert big.tiers.disk_bytes > 0 and big.disk_write_bytes > 0
+    start = time.perf_counter()
+    assert plan.main(["--layers", "2", "--hidden-size", "64", "--heads", "4", "--samples", "100000000",
+                      "--seq-len", "2048", "--batch-size", "3"]) == 0  # fmt: skip
+    assert time.perf_counter() - start < 5
+
+
+def test_the_grouped_replay_of_random_pipelines_is_the_batch_by_batch_one():
+    # Blocks of random sizes, names kept across subgraphs, stored again, deleted late: with host limits
+    # around the blocks' sizes, runs of batches split where stores alternate between memory and disk.
+    import random
+
+    rng = random.Random(31)
+    sg = plan_trace.SubgraphValues
+    for case in range(150):
+        kinds, layers = [], rng.randint(1, 5)
+        for _size in range(2):
+            subgraphs, key = [], 0
+            names = ["input_ids"]
+            for k in range(layers):
+                outputs = {}
+                for j in range(rng.randint(0, 3)):
+                    name = rng.choice([f"v{k}_{j}", f"v{k}_{j}", *names])  # sometimes a name stored again
+                    key += 1
+                    outputs[name] = [((k, key), rng.randint(1, 3000))]
+                consumed = sorted(set(rng.sample(names, rng.randint(0, len(names)))))
+                inputs = sorted(set(rng.sample(names, rng.randint(0, len(names)))))
+                subgraphs.append(sg(inputs, consumed, outputs, [], 0))
+                names = sorted((set(names) - set(consumed)) | set(outputs))
+            subgraphs.append(sg(names, names, {}, [], 0))
+            kinds.append((subgraphs, {"input_ids": [(("in", 0), rng.randint(1, 600))]}))
+        counts = [rng.randint(1, 40), rng.randint(0, 1)]
+        every = [k for k, n in zip(kinds, counts) for _ in range(n)]
+        limit = rng.choice([0, rng.randint(1, 5000), rng.randint(1, 40000), 1 << 40])
+        onload = rng.choice(["cuda", "cpu"])
+        each = plan_sim.simulate_each([s for s, _ in every], [i for _, i in every], onload=onload, host_limit=limit)
+        grouped = plan_sim.simulate_groups([(n, s, i) for (s, i), n in zip(kinds, counts)], onload=onload,
+                                           host_limit=limit)  # fmt: skip
+        assert grouped == each, case
+        assert plan_sim.simulate([s for s, _ in every], [i for _, i in every], onload=onload,
+                                 host_limit=limit) == each  # fmt: skip
+
+
+def test_a_long_alternating_run_is_taken_at_once_and_exactly(monkeypatch):
+    # Stores that alternate between memory and disk (a big block fits each time the small freed ones
+    # make room) are a rotation: taken at once, the totals are those of every batch. With one store
+    # per batch, which batches fitted does not matter later, so every number but the disk's peak (a
+    # bound) is exact.
+    import random
+
+    rng = random.Random(5)
+    monkeypatch.setattr(plan_sim, "FAST_FORWARD", 1)
+    sg = plan_trace.SubgraphValues
+    taken = 0
+    for case in range(600):
+        first = sg(["input_ids"], ["input_ids"], {"h": [((0, 0), rng.randint(1, 20000))]}, [], 0)
+        last = sg(["h"], ["h"], {}, [], 0)
+        inputs = {"input_ids": [(("in", 0), rng.randint(1, 3000))]}
+        n, limit = rng.randint(1, 300), rng.choice([rng.randint(0, 10**5), rng.randint(0, 3 * 10**6)])
+        onload = rng.choice(["cuda", "cpu"])
+        each = plan_sim.simulate_each([[first, last]] * n, [inputs] * n, onload=onload, host_limit=limit)
+        grouped = plan_sim.simulate_groups([(n, [first, last], inputs)], onload=onload, host_limit=limit)
+        taken += grouped.approximate
+        assert dataclasses.replace(grouped, disk_peak_bytes=0, approximate=False) == dataclasses.replace(
+            each, disk_peak_bytes=0
+        ), case
+        assert grouped.disk_peak_bytes >= each.disk_peak_bytes
+    assert taken > 100
+
+
+def test_an_approximate_disk_split_is_said_so(engine_config, tmp_path):
+    engine_config(backend="host", host_limit="1MiB", disk_dir=tmp_path)
+    p = plan.estimate(shape=SHAPE, samples=10**6, seq_len=16)
+    assert plan.SPLIT_APPROXIMATE in p.advice and "approximate" in plan.render(p)
+    engine_config(backend="host", host_limit="1TiB", disk_dir=tmp_path)
+    assert plan.SPLIT_APPROXIMATE not in plan.estimate(shape=SHAPE, samples=10**6, seq_len=16).advice
+
+
+@pytest.mark.parametrize(
+    "make, limit, name",
+    [(lambda t: t.OPTConfig(**config_of("opt").to_dict() | {"max_position_embeddings": 32}), 32,
+      "max_position_embeddings"),
+     (lambda t: t.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=96, n_positions=32), 32, "n_positions"),
+     (lambda t: t.GPTNeoConfig(hidden_size=64, num_layers=2, num_heads=4, vocab_size=96,
+                               attention_types=[[["global"], 2]], max_position_embeddings=32), 32,
+      "max_position_embeddings")],
+)  # fmt: skip
+def test_a_sequence_past_learned_positions_is_an_error_naming_the_limit(make, limit, name, capsys, tmp_path):
+    config = make(transformers)
+    assert plan.estimate(config, samples=2, seq_len=limit, dtype="float32").method == "traced"
+    with pytest.raises(ValueError, match=f"seq_len 48 .* {limit} learned positions .*{name}={limit}"):
+        plan.estimate(config, samples=2, seq_len=48, dtype="float32")
+    config.save_pretrained(tmp_path)
+    with pytest.raises(SystemExit):
+        plan.main(["--config", str(tmp_path), "--samples", "2", "--seq-len", "48"])
+    assert f"{name}={limit}" in capsys.readouterr().err
+
+
+def test_a_sequence_past_rope_positions_is_a_warning_and_alibi_has_none():
+    config = transformers.LlamaConfig(**{**TINY, "max_position_embeddings": 32})
+    within = plan.estimate(config, samples=2, seq_len=32, dtype="float32")
+    assert not any("max_position_embeddings" in a for a in within.advice)
+    past = plan.estimate(config, samples=2, seq_len=48, dtype="float32")
+    (line,) = [a for a in past.advice if "max_position_embeddings=32" in a]
+    assert "--seq-len 48" in line and "rotary" in line and past.method == "traced"
+    bloom = transformers.BloomConfig(hidden_size=64, n_layer=2, n_head=4, vocab_size=96)
+    p = plan.estimate(bloom, samples=2, seq_len=4096, dtype="float32")
+    assert not any("position" in a for a in p.advice)
