@@ -226,7 +226,8 @@ class Build(BuildExtension):  # ninja by default (with_options passes kwargs old
             self.inplace = 0
             built = Path(self.get_ext_fullpath(ext.name)).parent / "_C_build.json"
             self.inplace = 1
-            shutil.copyfile(built, Path(self.get_ext_fullpath(ext.name)).parent / "_C_build.json")
+            if built.exists():
+                shutil.copyfile(built, Path(self.get_ext_fullpath(ext.name)).parent / "_C_build.json")
 
 
 FORMAT_CHECK = """
@@ -247,12 +248,16 @@ def check_engine(engine: Path) -> None:
         done = subprocess.run(
             [sys.executable, "-c", FORMAT_CHECK, str(engine)], capture_output=True, text=True, timeout=600
         )
-        got, why = done.stdout.strip(), done.stderr.strip()[-800:] or f"exit status {done.returncode}"
     except subprocess.SubprocessError as e:
-        got, why = "", str(e)
+        print(f"offcache: the engine just built was not checked (loading it beside torch: {e})")
+        return
+    got, why = done.stdout.strip(), done.stderr.strip()[-800:] or f"exit status {done.returncode}"
     if got == want:
         return
-    engine.unlink(missing_ok=True)
+    if not got and done.returncode > 0:  # it did not load here (an ImportError): nothing was formatted
+        print(f"offcache: the engine just built was not checked (loading it beside torch: {why})")
+        return
+    engine.unlink(missing_ok=True)  # a wrong answer, or a crash (a signal) while loading or formatting
     cxx = os.environ.get("CXX", "c++")
     nonshared = static_libstdcxx(shlex.split(cxx) or ["c++"])
     cause = (

@@ -84,6 +84,19 @@ def test_the_build_check_removes_an_engine_whose_numbers_come_out_wrong(setup_py
     assert "CXX=/usr/bin/g++" in str(e.value)
 
 
+def test_an_engine_that_does_not_load_here_is_kept_unchecked(setup_py, tmp_path, capsys):
+    """A build host that cannot load what it built (an ImportError, not a crash) keeps the build."""
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++")
+    source = tmp_path / "empty.cpp"
+    source.write_text("int offcache_not_a_module = 1;\n")  # no PyInit__C: the import fails cleanly
+    engine = tmp_path / "_C.so"
+    subprocess.run(["g++", "-fPIC", "-shared", str(source), "-o", str(engine)], check=True, timeout=300)
+    setup_py.check_engine(engine)
+    assert engine.exists()
+    assert "was not checked" in capsys.readouterr().out
+
+
 def _fake_devtoolset(tmp_path: Path) -> Path:
     """A compiler that says it links libstdc++_nonshared.a, as Red Hat's devtoolset does."""
     archive = tmp_path / "libstdc++_nonshared.a"
