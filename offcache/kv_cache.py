@@ -121,7 +121,14 @@ class _Offloaded:
             return None, None
         k, v = self._joined()
         if len(self._host_k) > 1 or len(self._host_v) > 1:  # joined once; later reads are free
-            k, v = _engine.store([k, v], _CPU)
+            try:
+                k, v = _engine.store([k, v], _CPU)
+            except _engine.HostLimitError as exc:  # the join needs the layer's size in host room
+                raise _engine.HostLimitError(
+                    f"offcache: reading an offloaded layer's keys/values joins its {len(self._host_k)} chunks into "
+                    f"one tensor each ({k.nbytes + v.nbytes} bytes), which the host limit has no room for; the "
+                    f"cache is unchanged and its steps carry on. The engine said: {exc}"
+                ) from None
             self._host_k, self._host_v = [k], [v]  # same values: a prefetch would stay valid
             self._wait([k, v])
         return k, v

@@ -118,3 +118,39 @@ def test_a_reference_taken_before_a_step_and_edited_after_it_behaves_as_in_trans
             logits[name] = model(input_ids=step, **kw(cache), use_cache=True).logits
     gap = (logits["ours"] - logits["ref"]).abs().max()
     assert torch.allclose(logits["ours"], logits["ref"], atol=1e-5, rtol=0), gap
+
+
+# A read near the host limit (issue 31 item 10) --------------------------------------------------------
+
+
+def test_a_read_at_the_host_limit_says_what_it_needs_and_loses_nothing(engine_config):
+    """Reading an offloaded layer's keys joins its chunks into one tensor (handed out for in-place
+    edits, which must reach the cache), so it needs the layer's size in host room. At the host limit
+    with no disk tier it raises HostLimitError saying so; the cache is unchanged and decodes on, with
+    DynamicCache's tokens."""
+    from tests.kv_models import kw
+
+    engine_config(backend="host", host_limit="600KiB", disk_dir="none")
+    model = causal_lm("llama")
+    ours = offcache.OffloadedKVCache(config=model.config, compact_every=1000)
+    ref = transformers.DynamicCache(config=model.config)
+    ids = _ids(2, 8, seed=1)
+    with torch.no_grad():
+        steps = {}
+        for name, cache in (("ours", ours), ("ref", ref)):
+            out, tokens = model(input_ids=ids, **kw(cache), use_cache=True).logits, []
+            for _ in range(300):  # about 200 KiB of K/V per layer, in 300 chunks
+                tokens.append(out[:, -1:].argmax(-1))
+                out = model(input_ids=tokens[-1], **kw(cache), use_cache=True).logits
+            steps[name] = out
+        assert len(ours.layers[0]._host_k) > 1
+        length = ours.get_seq_length()
+        with pytest.raises(
+            offcache.HostLimitError, match=r"reading an offloaded layer's keys/values joins its \d+ chunks"
+        ):
+            ours.layers[0].keys
+        assert ours.get_seq_length() == length
+        for name, cache in (("ours", ours), ("ref", ref)):
+            step = steps[name][:, -1:].argmax(-1)
+            steps[name] = model(input_ids=step, **kw(cache), use_cache=True).logits
+    assert torch.equal(steps["ours"], steps["ref"])
