@@ -153,3 +153,19 @@ def test_a_read_at_the_host_limit_says_what_it_needs_and_loses_nothing(engine_co
             step = steps[name][:, -1:].argmax(-1)
             steps[name] = model(input_ids=step, **kw(cache), use_cache=True).logits
     assert torch.equal(steps["ours"], steps["ref"])
+
+
+@pytest.mark.parametrize("engine", ["host"], indirect=True)
+@pytest.mark.parametrize("kind", ["dynamic", "dynamic_sliding", "static", "static_sliding"])
+def test_generate_hands_out_no_layer_so_every_layer_stays_prefetched(engine, kind):
+    """A static layer whose K/V were handed out is no longer prefetched (see above): transformers'
+    generate itself must not hand any out, or every decode step would wait for its fetches."""
+    from tests.kv_models import kw
+
+    ours, _ = _caches(kind)
+    model = causal_lm("mistral", sliding_window=6) if "sliding" in kind else causal_lm("llama")
+    ids = _ids(2, 5, seed=9)
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kw(ours), max_new_tokens=10,
+                       do_sample=False, pad_token_id=0)  # fmt: skip
+    assert not any(layer.__dict__.get("_exposed") for layer in ours.layers)
