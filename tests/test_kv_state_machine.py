@@ -8,8 +8,7 @@ any layer's keys / values, ``reorder_cache``, ``crop``, ``batch_select_indices``
 reference's; every layer's K/V are compared by a rule and at the end (a rule, not an invariant:
 reading K/V drops a layer's prefetch, and the prefetch carried from one step to the next must be
 exercised too). Models: Llama (full attention), Mistral (every layer sliding, offloaded too),
-Gemma3 (alternating sliding / full), Gemma4 (KV sharing), NemotronH with "mlp" / "moe" layers between
-attention ones (transformers' DummyLayer: no cache of their own). Engines: the default one and the host
+Gemma3 (alternating sliding / full), Gemma4 (KV sharing). Engines: the default one and the host
 backend with slowed copies and a 1 MiB arena.
 
 Where the installed transformers lacks an operation on a reference layer (static layers had no
@@ -41,14 +40,14 @@ from hypothesis.stateful import (
 from offcache.bench.models import causal_lm
 from offcache.kv_cache import OffloadedKVCache
 from offcache.static_kv_cache import OffloadedStaticKVCache, _resident_op
-from tests.kv_models import edit_in_place, kw, tiny_causal_lm, tiny_mlp_moe_lm
+from tests.kv_models import edit_in_place, kw, tiny_causal_lm
 
 transformers = pytest.importorskip("transformers")
 from transformers.cache_utils import DynamicCache, DynamicLayer, StaticCache  # noqa: E402
 
 WINDOW = 8
 MAX_LEN = 20  # the static caches' max_cache_len
-KINDS = ["llama", "mistral", "gemma3", "gemma4", "mlp_moe"]
+KINDS = ["llama", "mistral", "gemma3", "gemma4"]
 SLIDING = {"mistral", "gemma3", "gemma4"}
 HOW = ["tensor", "data", "numpy"]  # how an in-place edit reaches a layer's K/V
 FACTORS = [0.5, -1.0, 2.0]  # exact in every dtype
@@ -56,8 +55,6 @@ FACTORS = [0.5, -1.0, 2.0]  # exact in every dtype
 
 @functools.cache
 def model_of(kind: str):
-    if kind == "mlp_moe":  # an attention layer first: 5.25's get_seq_length() reads layer 0
-        return tiny_mlp_moe_lm(layers=("full_attention", "mlp", "full_attention", "moe"))
     if kind in ("llama", "mistral"):
         return causal_lm(kind, **({"sliding_window": WINDOW} if kind == "mistral" else {}))
     return tiny_causal_lm(kind, sliding_window=WINDOW)
@@ -69,8 +66,7 @@ def close(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def holds_kv(layer) -> bool:
-    """False for transformers' DummyLayer (a layer that reads another's K/V, as Gemma4's shared ones, or
-    has no attention, as NemotronH's "mlp" / "moe" ones)."""
+    """False for transformers 5.24's DummyLayer (a layer that reads another's K/V, as Gemma4's shared ones)."""
     return hasattr(layer, "get_seq_length")
 
 
