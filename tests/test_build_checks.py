@@ -3,13 +3,15 @@
 On a GPU machine whose CXX was a Red Hat devtoolset compiler (it links pieces of libstdc++ into
 every shared object), every engine message with a number crashed the process: the pieces keep a
 std::locale numbering of their own. Here a module linked with -static-libstdc++ shows the same
-fault (its numbers come out empty), so the check that catches it can be tested on any machine.
+fault beside some torch builds (its numbers come out empty); a module built to answer wrong tests
+the check on any machine.
 """
 
 import importlib.util
 import os
 import shutil
 import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -24,7 +26,12 @@ FORMATTER = r"""
 #include <sstream>
 static PyObject* format_check(PyObject*, PyObject* arg) {
   std::ostringstream s;
+#ifdef OFFCACHE_TEST_WRONG_NUMBERS  // what the devtoolset build printed: numbers come out empty
+  (void)arg;
+  s << "[, ]";
+#else
   s << "[" << static_cast<unsigned long>(PyLong_AsUnsignedLongLong(arg)) << ", " << 0.5 << "]";
+#endif
   return PyUnicode_FromString(s.str().c_str());
 }
 static PyMethodDef methods[] = {{"_format_check", format_check, METH_O, ""}, {nullptr, nullptr, 0, nullptr}};
@@ -72,16 +79,47 @@ def _static_libstdcxx_available() -> bool:
     return os.path.isabs(found) and os.path.exists(found)
 
 
-@pytest.mark.skipif(not _static_libstdcxx_available(), reason="needs g++ with a static libstdc++ (libstdc++.a)")
 def test_the_build_check_removes_an_engine_whose_numbers_come_out_wrong(setup_py, tmp_path):
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++")
     good = _compile(tmp_path, "good")
     setup_py.check_engine(good)  # loads beside torch, formats right: kept
     assert good.exists()
-    bad = _compile(tmp_path, "bad", "-static-libstdc++", "-Wl,-Bsymbolic-functions")
-    with pytest.raises(RuntimeError, match=r"formats 2147483648 and 0\.5 as '.*', not '\[2147483648, 0\.5\]'") as e:
+    bad = _compile(tmp_path, "bad", "-DOFFCACHE_TEST_WRONG_NUMBERS")
+    with pytest.raises(RuntimeError, match=r"formats 2147483648 and 0\.5 as '\[, \]', not '\[2147483648, 0\.5\]'") as e:
         setup_py.check_engine(bad)
     assert not bad.exists(), "a broken engine must not stay where the package would load it"
     assert "CXX=/usr/bin/g++" in str(e.value)
+
+
+def _formats_beside_torch(engine: Path) -> str:
+    done = subprocess.run([sys.executable, "-c", FORMAT_BESIDE_TORCH, str(engine)], capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    return done.stdout.strip() if done.returncode == 0 else f"<exit status {done.returncode}>"
+
+
+FORMAT_BESIDE_TORCH = """
+import importlib.util, sys, torch
+spec = importlib.util.spec_from_file_location("_C", sys.argv[1])
+engine = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(engine)
+print(engine._format_check(2147483648))
+"""
+
+
+@pytest.mark.skipif(not _static_libstdcxx_available(), reason="needs g++ with a static libstdc++ (libstdc++.a)")
+def test_an_engine_with_libstdcxx_linked_in_is_kept_exactly_when_it_formats_right(setup_py, tmp_path):
+    """libstdc++ linked into the module (as devtoolset does) breaks its numbers beside some torch builds
+    and not others; the check keeps it exactly when it formats right where it will be loaded."""
+    linked = _compile(tmp_path, "linked", "-static-libstdc++", "-Wl,-Bsymbolic-functions")
+    printed = _formats_beside_torch(linked)
+    if printed == "[2147483648, 0.5]":
+        setup_py.check_engine(linked)
+        assert linked.exists()
+    else:
+        with pytest.raises(RuntimeError, match=r"formats 2147483648 and 0\.5 as"):
+            setup_py.check_engine(linked)
+        assert not linked.exists()
 
 
 def test_an_engine_that_does_not_load_here_is_kept_unchecked(setup_py, tmp_path, capsys):
