@@ -5,7 +5,7 @@ found; the decision never depends on a GPU being present, since build hosts
 usually have none. OFFCACHE_FORCE_CUDA=1 turns "CUDA could not be built" into
 an error. Install with: pip install --no-build-isolation .
 
-The engine runs only with the torch it was compiled against (offcache/_engine.py refuses any
+The engine runs only with the torch it was compiled against (offcache/engine/loader.py refuses any
 other), so the build uses the torch installed where it will run: the wheel records that torch in
 its requirements (torch==X) and in its version's local label (0.2.0+torch2.14.0.cu130), and
 offcache/_C_build.json records it next to the engine.
@@ -220,7 +220,7 @@ class Build(BuildExtension):  # ninja by default (with_options passes kwargs old
 
     def copy_extensions_to_source(self):
         """An in-place build (setuptools builds into build/, then copies the engine beside the
-        sources) takes the engine's record along: offcache/_engine.py reads it there."""
+        sources) takes the engine's record along: offcache/engine/loader.py reads it there."""
         super().copy_extensions_to_source()
         for ext in self.extensions:
             self.inplace = 0

@@ -123,7 +123,7 @@ if what == "tests":
             word, name = (m[1], m[2]) if m[1] else (m[4], m[3])
             if word != "PASSED" or name not in seen:  # an error at teardown follows PASSED
                 seen[name] = word
-    # "test_gpu_disk::test_x[a]" for tests/test_gpu_disk.py::test_x[a]: more of them fit the line.
+    # "test_gpu_disk::test_x[a]" for tests/engine/test_gpu_disk.py::test_x[a]: more of them fit the line.
     fails = [re.sub(r"^(?:tests/)?(\S+?)\.py::", r"\1::", name) for name, word in seen.items() if word != "PASSED"]
     if lines:
         out.append(lines[-1])
@@ -214,7 +214,7 @@ headline() { "$PY" "$WORK/headline.py" "$@" 2>/dev/null | head -c 1200; }
 
 NAMES=(wheels build gpu tests bench weights oneshot kv soak)
 declare -A DEADLINE CMD WHY HEAD
-# GPU deadlines: they add up to the budget (tests/test_device_check.py checks it). Sized from the
+# GPU deadlines: they add up to the budget (tests/bench/test_device_check.py checks it). Sized from the
 # first H200 runs (2026-12-04): build 36 s, gpu 69 s on 8 workers, bench 21 s + plots, weights
 # over 40 s, oneshot 29 s, kv 37 s, soak 5 s.
 DEADLINE=([wheels]=5 [build]=60 [gpu]=70 [tests]=75 [bench]=35 [weights]=35 [oneshot]=40 [kv]=30 [soak]=10)
@@ -229,14 +229,14 @@ CMD[build]="OFFCACHE_FORCE_CUDA=1 MAX_JOBS=16 '$PY' setup.py build_ext --inplace
 PYTEST="-m pytest -v -rfE --tb=short -p no:cacheprovider"
 CMD[gpu]="'$PY' $PYTEST \$(bash '$WORK/xdist' 8) -m gpu tests"
 # The files that drive the CUDA path's scheduling (the dry run runs only these).
-CORE_TESTS="tests/test_engine.py tests/test_snapshot.py tests/test_memory.py tests/test_costs.py tests/test_config.py"
+CORE_TESTS="tests/engine/test_engine.py tests/engine/test_snapshot.py tests/engine/test_memory.py tests/engine/test_costs.py tests/engine/test_config.py"
 if [ "$DRY" = 1 ]; then
   CMD[tests]="'$PY' $PYTEST \$(bash '$WORK/xdist' 2) -m 'not gpu and not slow' $CORE_TESTS"
 else
   CMD[tests]="'$PY' $PYTEST \$(bash '$WORK/xdist' \$(nproc)) -m 'not gpu and not slow' tests \
-    --ignore=tests/test_bench.py --ignore=tests/test_soak.py \
-    --ignore=tests/test_weights_properties.py --ignore=tests/test_bench_weights.py \
-    --ignore=tests/test_file_adversarial.py"
+    --ignore=tests/bench/test_bench.py --ignore=tests/bench/test_soak.py \
+    --ignore=tests/weights/test_weights_properties.py --ignore=tests/bench/test_bench_weights.py \
+    --ignore=tests/engine/test_file_adversarial.py"
 fi
 CMD[bench]="'$PY' -m offcache.bench transfer overlap small pipeline $SIZE --out '$BENCH'"
 CMD[weights]="'$PY' -m offcache.bench weights $SIZE --out '$BENCH'"

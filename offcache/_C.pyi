@@ -1,6 +1,6 @@
 """Types of offcache._C, the compiled engine (csrc/bindings.cpp).
 
-Only offcache/_engine.py imports this module; everything else goes through its wrappers.
+Only offcache/engine/ imports this module; everything else goes through its wrappers.
 Copies and waits release the GIL.
 """
 

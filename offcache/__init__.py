@@ -1,5 +1,8 @@
 """offcache: GPU <-> pinned-host tensor cache with asynchronous copies.
 
+The package, one folder per concern (docs/design.md has the map; imports point down):
+util <- engine <- activations, weights, kv <- plan <- patch <- this module <- bench.
+
 import offcache
 offcache.patch_llmcompressor()   # llm-compressor now uses offcache's cache
 """
@@ -8,11 +11,11 @@ __version__ = "0.2.0"
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from offcache._engine import (
+from offcache.activations.cache import IntermediatesCache, IntermediateValue
+from offcache.engine import (
     CapacityWarning,
     HostLimitError,
     SpillWarning,
-    build_info,
     configure,
     empty_cache,
     record_stream,
@@ -20,22 +23,28 @@ from offcache._engine import (
     stats,
     synchronize,
 )
-from offcache._extras import MissingExtraError
-from offcache.cache import IntermediatesCache, IntermediateValue
-from offcache.ct_drift import CompressedTensorsDriftError
 from offcache.kv import kv_bytes, kv_bytes_for_config
 from offcache.patch import LLMCompressorDriftError, patch_llmcompressor, unpatch_llmcompressor
+from offcache.util.extras import MissingExtraError
+from offcache.weights.drift import CompressedTensorsDriftError
+
+
+def build_info() -> dict:
+    """Version (with the build variant, e.g. 0.2.0+cu130 or 0.2.0+cpu), torch, CUDA and backend."""
+    from offcache import engine
+
+    return engine.build_info(__version__)
 
 
 def __getattr__(name):
     # OffloadedKVCache needs transformers: imported on first use only.
     if name in ("OffloadedKVCache", "OffloadedStaticKVCache"):
-        from offcache._extras import require
+        from offcache.util.extras import require
 
         require("transformers", "kv", f"offcache.{name}")
-        from offcache import kv_cache
+        import offcache.kv
 
-        return getattr(kv_cache, name)
+        return getattr(offcache.kv, name)
     raise AttributeError(f"module 'offcache' has no attribute {name!r}")
 
 

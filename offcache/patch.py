@@ -10,8 +10,8 @@ import dataclasses
 import inspect
 import sys
 
-from offcache._extras import require
-from offcache.cache import IntermediatesCache, IntermediateValue
+from offcache.activations.cache import IntermediatesCache, IntermediateValue
+from offcache.util.extras import require
 
 # (module, attribute) -> the original object, while patched.
 _originals: dict[tuple[str, str], object] = {}
@@ -127,7 +127,7 @@ def patch_llmcompressor(weights: bool = False) -> list[str]:
     """Use offcache's cache in every llm-compressor module that holds the original.
 
     weights=True also puts compressed-tensors' offloaded model weights (CPU, disk) on the engine
-    (offcache.compressed_tensors.patch); weights=False leaves the weights as they are.
+    (offcache.weights.compressed_tensors.patch); weights=False leaves the weights as they are.
 
     Covers the sequential pipeline, AWQ and any other module that imported the
     class (modules imported later by llm-compressor itself are covered too,
@@ -145,7 +145,7 @@ def patch_llmcompressor(weights: bool = False) -> list[str]:
 
     check_llmcompressor(source)
     if weights:  # compressed-tensors' caches too, before anything is patched (CompressedTensorsDriftError)
-        from offcache import ct_drift
+        from offcache.weights import drift as ct_drift
 
         ct_drift.check()
     # Once patched, the source module holds ours: the originals are remembered.
@@ -161,7 +161,7 @@ def patch_llmcompressor(weights: bool = False) -> list[str]:
                 setattr(module, attr, replacements[attr])
                 patched.append(name)
     if weights:
-        from offcache import compressed_tensors
+        from offcache.weights import compressed_tensors
 
         compressed_tensors.patch()
     return sorted(set(patched) | {name for name, _ in _originals})
@@ -172,8 +172,8 @@ def unpatch_llmcompressor() -> None:
 
     Also restores compressed-tensors' weight offloading if weights=True patched it.
     """
-    if "offcache.compressed_tensors" in sys.modules:
-        sys.modules["offcache.compressed_tensors"].unpatch()
+    if "offcache.weights.compressed_tensors" in sys.modules:
+        sys.modules["offcache.weights.compressed_tensors"].unpatch()
     for (name, attr), original in list(_originals.items()):
         module = sys.modules.get(name)
         if module is not None:

@@ -48,7 +48,7 @@ stage "pytest (pinned: torch 2.14, llm-compressor 0.14.0.1, compressed-tensors 0
 if [ -d .venv-tf-newest ]; then
   stage "pytest KV caches (transformers overlay $(ls -d .venv-tf-newest/transformers-*.dist-info | sed 's/.*transformers-//; s/.dist-info//'))" \
     env PYTHONPATH=.venv-tf-newest .venv/bin/python -m pytest -p no:cacheprovider -q \
-    tests/test_kv_cache.py tests/test_static_kv_cache.py tests/test_kv_layer_kinds.py tests/test_kv_state_machine.py \
+    tests/kv \
     -k "not host-1MiB-slow and not host-disk"
 fi
 # The weights on the newest compressed-tensors (overlay made by scripts/setup_ct_newest.sh), beside
@@ -56,6 +56,5 @@ fi
 if [ -d .venv-ct-newest ]; then
   stage "pytest weights (compressed-tensors overlay $(ls -d .venv-ct-newest/compressed_tensors-*.dist-info | sed 's/.*tensors-//; s/.dist-info//'))" \
     env PYTHONPATH=.venv-ct-newest .venv/bin/python -m pytest -p no:cacheprovider -q \
-    tests/test_weights.py tests/test_weights_properties.py tests/test_weights_staging.py \
-    tests/test_ct_drift.py tests/test_file_disk_cache.py tests/test_weights_oneshot.py
+    tests/weights
 fi

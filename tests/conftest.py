@@ -68,3 +68,11 @@ def engine(request, engine_config):
     config = ENGINE_CONFIGS[request.param]
     engine_config(**config)
     return config
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny Llama checkpoint on disk (3 layers, hidden 128), made once a session."""
+    from tests.helpers import save_tiny_llama
+
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from offcache import _machine
+from offcache.engine import machine as _machine
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -70,7 +70,7 @@ def test_kv_caches_without_transformers(tmp_path, name):
                                   ["kv", "--config", "some/model", "--tokens", "64"]])  # fmt: skip
 def test_plan_config_without_transformers(tmp_path, argv):
     proc = without(("transformers",), f"""
-        from offcache import plan
+        import offcache.plan as plan
         plan.main({argv!r})
     """, tmp_path)  # fmt: skip
     assert proc.returncode == 2
@@ -126,7 +126,7 @@ def test_import_makes_nothing_on_disk_and_the_disk_tier_makes_its_folder_when_fi
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
         import os, torch
         import offcache
-        from offcache import _engine
+        from offcache import engine as _engine
         folder = {str(home / ".cache" / "offcache")!r}
         assert _engine.settings()["disk_dir"] == folder, _engine.settings()
         print("after import", os.path.exists({str(home)!r}))
@@ -148,7 +148,7 @@ def test_import_makes_nothing_on_disk_and_the_disk_tier_makes_its_folder_when_fi
 def test_every_public_module_imports_or_names_its_extra(tmp_path, package):
     """Each public module of offcache (and of offcache.bench), imported where one optional package is
     missing: it imports, or raises one ImportError whose message names the extra that installs it
-    (issue 31 item 8: offcache.kv_cache used to raise the raw "No module named 'transformers'")."""
+    (issue 31 item 8: offcache.kv.dynamic used to raise the raw "No module named 'transformers'")."""
     proc = without((package,), """
         import importlib, pkgutil
         import offcache
@@ -165,4 +165,4 @@ def test_every_public_module_imports_or_names_its_extra(tmp_path, package):
     assert proc.returncode == 0 and len(lines) > 10, proc.stdout + proc.stderr[-2000:]
     raw = [line for line in lines if line.startswith("RAW")]
     assert not raw, "\n".join(raw)
-    assert any(line.startswith("ok offcache.cache") for line in lines)
+    assert any(line.startswith("ok offcache.activations.cache") for line in lines)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import offcache
-from offcache import _engine
+from offcache import engine as _engine
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILT = offcache.build_info()["torch"]  # the torch this engine was compiled against

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import offcache
-from tests.helpers import calibration_set, save_tiny_llama
+from tests.helpers import calibration_set
 
 llmcompressor = pytest.importorskip("llmcompressor")
 transformers = pytest.importorskip("transformers")
@@ -17,11 +17,6 @@ tokenizers = pytest.importorskip("tokenizers")
 datasets = pytest.importorskip("datasets")
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def quantize(model_dir, prefetch):
@@ -85,7 +80,7 @@ def test_patch_is_idempotent_and_reversible():
 
 
 def test_the_planners_cache_peak_matches_the_measured_one(tiny_model_dir, engine_config):
-    from offcache import plan
+    import offcache.plan as plan
 
     engine_config(backend="host")  # a fresh engine: its peaks are this run's
     threads = torch.get_num_threads()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from offcache import _engine
+from offcache import engine as _engine
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -128,7 +128,7 @@ def test_configuration_table_lists_every_variable_the_code_reads():
 
 def test_configuration_table_weight_prefetch_default(monkeypatch):
     pytest.importorskip("compressed_tensors")
-    from offcache import compressed_tensors
+    from offcache.weights import compressed_tensors
 
     monkeypatch.delenv("OFFCACHE_WEIGHT_PREFETCH", raising=False)
     assert configuration_table()["OFFCACHE_WEIGHT_PREFETCH"] == f"`{compressed_tensors.prefetch_depth()}`"
@@ -139,7 +139,7 @@ def test_planner_output_is_what_the_planner_prints(capsys):
     # would be this test's capture (the planner imports it with stdout sent to stderr, as users run it).
     if importlib.util.find_spec("llmcompressor") is None:
         pytest.skip("the page shows a traced plan; without llm-compressor the planner falls back")
-    from offcache import plan
+    import offcache.plan as plan
 
     page = ROOT / "docs" / "planner.md"
     block = re.search(r"```console\n\$ python -m offcache\.plan ([^\n]*)\n(.*?)\n```", page.read_text(), re.DOTALL)
@@ -149,7 +149,7 @@ def test_planner_output_is_what_the_planner_prints(capsys):
     printed = [x for x in capsys.readouterr().out.splitlines() if not log.match(x)]
     shown = block[2].splitlines()
     # This machine's lines depend on the machine; every other line is the planner's arithmetic.
-    from offcache.plan_cli import MACHINE_LINES as machine
+    from offcache.plan.cli import MACHINE_LINES as machine
 
     assert [x for x in shown if not x.startswith(machine)] == [x for x in printed if not x.startswith(machine)]
     assert len(shown) == len(printed)

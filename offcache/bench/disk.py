@@ -20,7 +20,7 @@ import warnings
 import torch
 
 import offcache
-from offcache import _engine
+from offcache import engine as _engine
 from offcache.bench.common import Context, median
 from offcache.bench.pipeline import Shape, run_one
 

@@ -86,7 +86,7 @@ def _static_caches(model, max_cache_len: int, compiled: bool = False):
 def _run(ctx: Context, model, ids, make_cache, new_tokens: int, **generate_kwargs) -> dict:
     import transformers
 
-    from offcache.kv_cache import cache_kwarg
+    from offcache.kv.dynamic import cache_kwarg
 
     sync = (lambda: torch.cuda.synchronize(ctx.device)) if ctx.gpu else (lambda: None)
     clock = _StepClock(sync)

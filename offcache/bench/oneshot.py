@@ -210,7 +210,7 @@ def run_oneshot(ctx: Context) -> list[dict]:
                 }
                 row.update({k: after[k] - before[k] for k in after if k.startswith("weight_")})
                 if impl == "offcache+weights":  # per disable_offloading() context: hits, misses, waits
-                    from offcache import compressed_tensors as oc_ct
+                    from offcache.weights import compressed_tensors as oc_ct
 
                     row["weight_subgraphs"] = oc_ct.subgraph_stats()
                 row["weight_wait_fraction"] = row["weight_host_wait_seconds"] / wall

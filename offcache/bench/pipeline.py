@@ -241,7 +241,7 @@ def run_timeline(ctx: Context, shape: Shape) -> dict:
     names = ["h0", "attention_mask", "position_ids", "position_embeddings"]
     marks = []
     ctx.sync()
-    offcache._engine.trace_start(ctx.device)
+    offcache.engine.trace_start(ctx.device)
     if ctx.gpu:
         origin = torch.cuda.Event(enable_timing=True)
         origin.record()
@@ -260,7 +260,7 @@ def run_timeline(ctx: Context, shape: Shape) -> dict:
         cache.update(b, {"h1": out})
         cache.delete(b, ["h0"])
     ctx.sync()
-    copies = offcache._engine.trace_stop()
+    copies = offcache.engine.trace_stop()
     if ctx.gpu:
         compute = [(origin.elapsed_time(s), origin.elapsed_time(e)) for s, e in marks]
     else:

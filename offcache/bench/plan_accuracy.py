@@ -158,7 +158,7 @@ def compare(family: str, folder: Path, samples: int, seq_len: int, batch_size: i
     `targets`, `per_subgraph`, `collator`: llm-compressor's sequential_targets,
     sequential_targets_per_subgraph and data_collator; `varied`: samples of different lengths
     (the plan, at seq_len, is then an upper bound)."""
-    from offcache import plan
+    import offcache.plan as plan
 
     t0 = time.perf_counter()
     p = plan.estimate(folder, samples=samples, seq_len=seq_len, dtype="float32", batch_size=batch_size,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from offcache._extras import as_missing
+from offcache.util.extras import as_missing
 
 try:
     import matplotlib

@@ -2,7 +2,7 @@
 operations must keep RSS and pinned bytes flat.
 
 Records RSS and engine bytes at intervals and the growth between the first and
-last quarter of the run. tests/test_soak.py runs a small version.
+last quarter of the run. tests/bench/test_soak.py runs a small version.
 """
 
 from __future__ import annotations

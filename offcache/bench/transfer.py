@@ -9,7 +9,7 @@ import time
 import torch
 
 import offcache
-from offcache import _engine
+from offcache import engine as _engine
 from offcache.bench.common import Context, bump_version, gbps, median, spread, timed, timed_per_call
 
 CPU = torch.device("cpu")

@@ -1,0 +1,115 @@
+"""The engine: the only caller of the compiled offcache._C, its configuration and the machine probe.
+
+    loader.py    loads offcache._C (refusing one built against another torch)
+    config.py    settings from arguments, the environment and DEFAULTS; configure()
+    disk_dir.py  the disk tier's folder, made only once a run may need it
+    ops.py       typed wrappers over the engine's calls (store, fetch, copy_into, stats, ...)
+    machine.py   what this machine has: memory, cgroup limits, file systems
+
+Everything above reads the engine through this package (``from offcache import engine``), never
+through offcache._C; nothing in it imports another concern of offcache.
+
+The environment variables it reads, their forms and defaults: config.py's docstring and DEFAULTS.
+"""
+
+from offcache.engine.config import (
+    _ENV,
+    _MAX_CHUNK,
+    _MAX_DELAY_US,
+    _SIZE_MAX,
+    DEFAULTS,
+    _parse_int,
+    capacity,
+    configure,
+    default_host_limit,
+    default_pinned_limit,
+    local_world_size,
+    memory_share,
+    parse_size,
+    set_pinned_limit,
+    settings,
+)
+from offcache.engine.disk_dir import make_disk_dir
+from offcache.engine.loader import _C, BUILD_RECORD, torch_mismatch
+from offcache.engine.ops import (
+    WEIGHT_COUNTERS,
+    CapacityWarning,
+    HostLimitError,
+    SpillWarning,
+    Ticket,
+    _fail_next_copy,
+    _fail_next_task,
+    _fail_query_after,
+    backend_name,
+    build_info,
+    copy_into,
+    empty_cache,
+    fetch,
+    fetch_file,
+    is_arena_tensor,
+    is_disk_tensor,
+    is_offcache_tensor,
+    record_stream,
+    set_timing,
+    stats,
+    store,
+    synchronize,
+    trace_start,
+    trace_stop,
+    wait_on_host,
+    wait_stored,
+    warn_if_spilled,
+)
+
+__all__ = [
+    "BUILD_RECORD",
+    "DEFAULTS",
+    "WEIGHT_COUNTERS",
+    "CapacityWarning",
+    "HostLimitError",
+    "SpillWarning",
+    "Ticket",
+    "backend_name",
+    "build_info",
+    "capacity",
+    "configure",
+    "copy_into",
+    "default_host_limit",
+    "default_pinned_limit",
+    "empty_cache",
+    "fetch",
+    "fetch_file",
+    "is_arena_tensor",
+    "is_disk_tensor",
+    "is_offcache_tensor",
+    "local_world_size",
+    "make_disk_dir",
+    "memory_share",
+    "parse_size",
+    "record_stream",
+    "set_pinned_limit",
+    "set_timing",
+    "settings",
+    "stats",
+    "store",
+    "synchronize",
+    "torch_mismatch",
+    "trace_start",
+    "trace_stop",
+    "wait_on_host",
+    "wait_stored",
+    "warn_if_spilled",
+]
+_private = (
+    _ENV,
+    _MAX_CHUNK,
+    _MAX_DELAY_US,
+    _SIZE_MAX,
+    _parse_int,
+    _C,
+    _fail_next_copy,
+    _fail_next_task,
+    _fail_query_after,
+)  # fmt: skip  (tests and the layers above reach these through the package)
+
+configure()

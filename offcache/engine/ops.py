@@ -1,0 +1,215 @@
+"""Thin typed wrappers over the compiled engine's calls: store, fetch, copies, stats and their tickets."""
+
+from __future__ import annotations
+
+import operator
+import os
+import time
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+from offcache.engine import disk_dir as _disk
+from offcache.engine.loader import _C
+
+Tensor = torch.Tensor
+Ticket = _C.Ticket
+
+
+class SpillWarning(UserWarning):
+    """Values no longer fit the pinned budget and now live in pageable memory (or on disk)."""
+
+
+class CapacityWarning(UserWarning):
+    """A run is projected to need more than the host limit plus the disk tier's free space."""
+
+
+# A store would cross the host limit and there is no disk tier to take it (a MemoryError).
+HostLimitError: type[MemoryError] = _C.HostLimitError
+
+
+# Model weights (offcache.weights.compressed_tensors counts them; process-wide, never reset).
+WEIGHT_COUNTERS: dict[str, int | float] = {
+    "weight_onload_bytes": 0,  # onloads of offloaded weights, served by a fetch or a prefetch
+    "weight_prefetch_bytes": 0,  # fetched ahead of use
+    "weight_writeback_bytes": 0,  # update_offload copies into the arena
+    "weight_prefetch_hits": 0,  # onloads served by a prefetched copy
+    "weight_prefetch_misses": 0,  # onloads that fetched (with prefetch on)
+    "weight_prefetch_skips": 0,  # prefetches not issued: no device memory, or the fetch failed
+    "weight_host_waits": 0,  # times the host blocked on a weight copy
+    "weight_stream_waits": 0,  # onloads to a GPU whose copy was still in flight: its stream waited
+    "weight_host_wait_seconds": 0.0,
+}
+
+
+def stats() -> dict:
+    """Counters of the process's engine: bytes pinned, in use, pageable, in flight, copied, ...
+
+    Disk tier: disk_bytes (in use), disk_reserved_bytes (files' size), disk_files,
+    disk_write_bytes / disk_read_bytes and disk_write_seconds / disk_read_seconds (I/O thread
+    time), disk_fallbacks (direct I/O refused: buffered I/O instead), host_limit_bytes (with or
+    without a disk tier). Model weights (``patch_llmcompressor(weights=True)``): the ``weight_*``
+    keys of WEIGHT_COUNTERS.
+    """
+    return {**_C.stats(), **WEIGHT_COUNTERS}
+
+
+def synchronize() -> None:
+    """Wait for every copy in flight and return freed blocks to the arena."""
+    _C.synchronize()
+
+
+def empty_cache() -> int:
+    """synchronize(), then give every empty arena chunk back to the OS. Returns the bytes released."""
+    return _C.empty_cache()
+
+
+def backend_name() -> str:
+    """'cuda' or 'host': the backend of the process-wide engine."""
+    return _C.backend_name()
+
+
+def build_info(version: str) -> dict:
+    """The package `version` with the build variant (e.g. 0.2.0+cu130 or 0.2.0+cpu), torch, CUDA and backend."""
+    variant = "cu" + _C.cuda_version.replace(".", "") if _C.cuda_compiled else "cpu"
+    return {
+        "version": f"{version}+{variant}",
+        "torch": _C.torch_version,
+        "torch_runtime": torch.__version__,
+        "cuda": bool(_C.cuda_compiled),
+        "cuda_version": _C.cuda_version,
+        "backend": backend_name(),
+    }
+
+
+# The engine calls ---------------------------------------------------------------------------
+
+
+def store(values: Sequence[Tensor], device: torch.device, allow_spill: bool = True) -> list[Tensor]:
+    """Snapshot `values` now and copy them to `device` (CPU: the pinned arena), in order.
+
+    The result holds what the values held at the call, whatever the caller does to them
+    afterwards. With allow_spill=False a value that does not fit the arena comes back as is.
+    """
+    values = list(values)
+    if _disk.pending():
+        _disk.make_disk_dir(sum(v.numel() * v.element_size() for v in values))
+    return _C.store(values, device, allow_spill)
+
+
+def fetch(stored: Sequence[Tensor], device: torch.device, wait: bool = True) -> tuple[list[Tensor], Ticket]:
+    """Copies of `stored` on `device`, and the ticket of their copy.
+
+    wait=True: the current stream of `device` already waits for the copy. Otherwise call
+    ``ticket.wait()`` before using the tensors.
+    """
+    return _C.fetch(list(stored), device, wait)
+
+
+def fetch_file(
+    path: str | os.PathLike,
+    items: Sequence[tuple[int, Sequence[int], torch.dtype]],
+    device: torch.device,
+    wait: bool = True,
+) -> tuple[list[Tensor], Ticket]:
+    """Tensors read from a file straight onto `device`: items[i] = (byte offset, shape, dtype).
+
+    Tensor i is contiguous and holds the file's bytes [offset, offset + nbytes), as safetensors
+    lays a tensor out. The engine's I/O thread reads the file in 8 MiB pieces (O_DIRECT where
+    the file system allows it) into bounce buffers (pinned on CUDA) and issues each piece's
+    copy as soon as it is read, so the calling thread does not wait for the disk and copies
+    overlap reads. The file must not change until the ticket completes. wait: as ``fetch``'s;
+    ``ticket.wait()`` raises if a read failed (the path and the reason).
+    """
+    likes = [torch.empty(tuple(shape), dtype=dtype, device="meta") for _, shape, dtype in items]
+    offsets = [operator.index(offset) for offset, _, _ in items]  # a float offset is a TypeError
+    return _C.fetch_file(os.fspath(path), offsets, likes, device, wait)
+
+
+def copy_into(dsts: Sequence[Tensor], srcs: Sequence[Tensor], wait: bool = False) -> Ticket:
+    """Copy srcs[i] into the existing tensor dsts[i] (same shape and dtype) on the engine's copy streams.
+
+    Device -> host pairs run on the D2H stream after the work queued on the source's current
+    stream; host -> device pairs on the H2D stream after the work queued on the destination's
+    current stream and after any copy still writing the source. Host memory must be offcache's
+    (a view of a tensor returned by store(): the pinned arena). Views are allowed when each side
+    is rows of contiguous bytes at one pitch (e.g. ``x[:, :, a:b, :]`` of a contiguous
+    ``[B, H, S, D]``): one 2-D copy call per pair. Sources are kept alive until the copy
+    completes and must not be modified before then (no snapshot is taken). wait=True: the
+    current stream (of the destination's device) waits for the copy; else ``ticket.wait()`` does.
+    Bytes count in stats()' d2h_bytes / h2d_bytes.
+    """
+    return _C.copy_into(list(dsts), list(srcs), wait)
+
+
+def set_timing(on: bool) -> None:
+    """Time every copy batch with timed events (stats' d2h_seconds / h2d_seconds). Off by default."""
+    _C.set_timing(bool(on))
+
+
+def wait_on_host(ticket: Ticket | None) -> None:
+    """Block the calling thread until `ticket`'s copies completed (on a GPU too, where ``ticket.wait()``
+    only orders a stream): then the host memory they read can be written."""
+    while ticket is not None and not ticket.query():
+        time.sleep(20e-6)
+
+
+def wait_stored(t: Tensor) -> None:
+    """Block until the store that produced `t` has written it, so it can be read directly."""
+    _C.wait_stored(t)
+
+
+def is_arena_tensor(t: Tensor) -> bool:
+    """True for a stored tensor in the pinned arena of the current engine."""
+    return _C.is_arena_tensor(t)
+
+
+def record_stream(t: Tensor, stream: torch.Stream) -> None:
+    """``t.record_stream(stream)`` for a fetched tensor: the allocation it lives in is kept from reuse
+    until `stream`'s work queued so far is done. A fetched value under 1 MiB is a storage inside one
+    allocation shared with the values fetched with it, which ``Tensor.record_stream`` does not reach."""
+    _C.allocation_of(t).record_stream(stream)
+
+
+def is_disk_tensor(t: Tensor) -> bool:
+    """True for a stored tensor whose bytes live in the disk tier (a mapped file)."""
+    return _C.is_disk_tensor(t)
+
+
+def is_offcache_tensor(t: Tensor) -> bool:
+    """True for a CPU tensor whose memory offcache manages (arena or spilled)."""
+    return _C.is_offcache_tensor(t)
+
+
+def trace_start(device: torch.device) -> None:
+    """Record copy batches from now on, timed from an event on `device`'s current stream."""
+    _C.trace_start(device)
+
+
+def trace_stop() -> list[dict]:
+    """The copy batches since trace_start: stream ('d2h'/'h2d'), bytes, start_ms, end_ms."""
+    return _C.trace_stop()
+
+
+def _fail_next_copy() -> None:
+    """Tests only: the next host-backend copy call queues its copies, then raises."""
+    _C._fail_next_copy()
+
+
+def _fail_next_task() -> None:
+    """Tests only: the next host copy task fails on its worker thread (as a CUDA event wait can)."""
+    _C._fail_next_task()
+
+
+def _fail_query_after(skip: int, transient: bool = False) -> None:
+    """Tests only: the event query after the next `skip` ones raises, once (transient: as during
+    another thread's CUDA graph capture, a state asked again later; else as on a broken context)."""
+    _C._fail_query_after(skip, transient)
+
+
+def warn_if_spilled(stacklevel: int = 2) -> None:
+    """Emit the engine's one-time spill notice as a SpillWarning pointing at the caller's caller."""
+    notice = _C.take_spill_notice()
+    if notice:
+        warnings.warn(notice, SpillWarning, stacklevel=stacklevel + 1)

@@ -1,0 +1,12 @@
+"""What will a calibration run need? ``python -m offcache.plan``, and ``estimate()`` for code.
+
+core.py   estimate(): the plan of a run, its tiers, weights and advice
+trace.py  what each subgraph stores, traced from the model on the meta device
+sim.py    the cache's calls replayed the way the engine holds memory
+cli.py    the command line and the plan as text
+"""
+
+from offcache.plan.cli import main, render
+from offcache.plan.core import COLLATORS, Boundary, Plan, Shape, Tiers, Weights, estimate
+
+__all__ = ["COLLATORS", "Boundary", "Plan", "Shape", "Tiers", "Weights", "estimate", "main", "render"]

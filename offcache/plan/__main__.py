@@ -1,0 +1,7 @@
+"""``python -m offcache.plan``."""
+
+import sys
+
+from offcache.plan.cli import main
+
+sys.exit(main())

@@ -1,0 +1,350 @@
+"""OffcacheCPUCache and OffcacheDiskCache: compressed-tensors' CPUCache and DiskCache with their device
+moves on the offcache engine (offcache.weights.compressed_tensors explains the whole; this file holds
+the two classes and the onload they share)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from offcache.util.extras import as_missing
+
+try:
+    from compressed_tensors.offload.cache.cpu import CPUCache
+    from compressed_tensors.offload.cache.disk import DiskCache
+    from compressed_tensors.offload.cache.utils import catch_cpu_mem_error
+    from compressed_tensors.offload.utils import to_tensor
+except ModuleNotFoundError as _missing:  # one line naming the extra
+    raise as_missing(
+        _missing, ("compressed_tensors", "transformers"), "llmcompressor", "offcache.weights.compressed_tensors"
+    ) from None
+
+
+from offcache import engine as _engine
+from offcache.weights.bookkeeping import (
+    _drop_prefetched,
+    _flush,
+    _state,
+    _take_prefetched,
+    _wait,
+)
+from offcache.weights.files import forget as _forget
+from offcache.weights.files import locate as _locate
+
+_CPU = torch.device("cpu")
+# compressed-tensors 0.20's DiskCache.onload casts to the index's dtype, then copies the class (a
+# Parameter stays one); 0.19's copies the class, then casts (Tensor.to gives a plain tensor).
+try:
+    from compressed_tensors.offload.cache.utils import load_disk_tensor_from_offload  # noqa: F401
+
+    _CAST_FIRST = True
+except ImportError:
+    _CAST_FIRST = False
+Tensor = torch.Tensor
+COUNTERS = _engine.WEIGHT_COUNTERS
+
+
+def prefetch_depth() -> int:
+    """Subgraphs whose weights are fetched ahead: OFFCACHE_WEIGHT_PREFETCH (0, 1 or k; default 1)."""
+    raw = os.environ.get("OFFCACHE_WEIGHT_PREFETCH", "").strip() or "1"
+    try:
+        k = int(raw)
+    except ValueError:
+        k = -1
+    if k < 0:
+        raise ValueError(f"OFFCACHE_WEIGHT_PREFETCH must be an integer >= 0, got {raw!r}")
+    return k
+
+
+# --- the cache classes -------------------------------------------------------------------------
+
+
+def _like(new: Tensor, like: Tensor, onloaded: bool = False) -> Tensor:
+    """`new` with the tensor subclass and attributes of `like`, as compressed-tensors' send_tensors.
+
+    An onloaded copy does not require grad, as ``Tensor.to`` under no_grad gives it.
+    """
+    if onloaded and new.requires_grad:
+        new.requires_grad_(False)
+    if new.__class__ is not like.__class__:
+        new.__class__ = like.__class__
+    new.__dict__ = like.__dict__.copy()
+    return new
+
+
+def _onload_device(cache) -> torch.device:
+    device = torch.device(cache.onload_device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _onload(cache, offloaded: Tensor | None) -> Tensor | None:
+    """The engine's onload for both cache classes: a prefetched copy, else a fetch of the source."""
+    if offloaded is None:
+        return None
+    device = _onload_device(cache)
+    nbytes = offloaded.nbytes
+    COUNTERS["weight_onload_bytes"] += nbytes
+    current = _state.current
+    onloaded = _take_prefetched(offloaded, device)
+    if onloaded is not None:
+        COUNTERS["weight_prefetch_hits"] += 1
+        if current is not None:
+            current.hits += 1
+            current.onloaded_bytes += nbytes
+            current.prefetched_bytes += nbytes
+        return onloaded
+    if _state.patched and prefetch_depth() > 0:
+        COUNTERS["weight_prefetch_misses"] += 1
+    if current is not None:
+        current.misses += 1
+        current.onloaded_bytes += nbytes
+    ((fetched, ticket),) = cache._fetch([offloaded], device)
+    _wait(ticket, device)
+    return cache._finish(fetched, offloaded)
+
+
+def _fetch_host(offloaded: list[Tensor], device: torch.device) -> list[tuple[Tensor, Any]]:
+    """One engine fetch of host tensors to `device`: (copy, ticket) each, not waited for.
+
+    The arena blocks' own fences order later write-backs after these reads.
+    """
+    fetched, ticket = _engine.fetch(offloaded, device, wait=False)
+    # A CPU tensor offcache does not own, onloaded to the CPU, comes back as is: copy it.
+    return [(f.clone() if f is o else f, ticket) for f, o in zip(fetched, offloaded)]
+
+
+def _stage_host(tensor: Tensor, pin_memory: bool) -> Tensor:
+    """A host tensor staged: into the pinned arena when asked and not there already (where room)."""
+    if not pin_memory or _engine.is_arena_tensor(tensor):
+        return tensor
+    with torch.no_grad():
+        (stored,) = _engine.store([tensor], _CPU, allow_spill=False)
+    _engine.wait_stored(stored)
+    return _like(stored, tensor)
+
+
+class _HostReads:
+    """What a host read or a delete does to a prefetched copy, for both classes (before their base)."""
+
+    def __getitem__(self, key):
+        # Under disable_onloading() the caller reads the offloaded host tensor (a disk offload's
+        # staged one; not a meta placeholder), and may edit it through .data or numpy, which no
+        # version counter sees: its prefetched copy, if any, is dropped (a host copy is also
+        # compared byte for byte when taken).
+        if self.onloading_disabled:
+            offloaded = self.offloaded_values[key]
+            if offloaded is not None and offloaded.device.type != "meta":
+                _flush(offloaded)
+                _drop_prefetched(offloaded)
+        return super().__getitem__(key)
+
+    def __delitem__(self, key):
+        offloaded = self.offloaded_values[key]
+        if offloaded is not None:
+            _drop_prefetched(offloaded)
+        super().__delitem__(key)
+
+
+class OffcacheCPUCache(_HostReads, CPUCache):
+    """compressed-tensors' ``CPUCache``, its offload, onload and update on the offcache engine."""
+
+    @catch_cpu_mem_error
+    def offload(self, tensor: Tensor | None) -> Tensor | None:
+        """A snapshot of `tensor` in the pinned arena (a CPU tensor viewing arena memory).
+
+        The same tensor offloaded twice (tied weights) gives the same offloaded tensor: the
+        engine's dedup table serves the second store. A tensor offcache holds (arena, spilled
+        or disk tier) is offloaded already and comes back as is, as CPUCache gives back a CPU one.
+        """
+        if tensor is None:
+            return None
+        if _engine.is_offcache_tensor(tensor):
+            return tensor
+        with torch.no_grad():
+            (stored,) = _engine.store([tensor], _CPU)
+        # CPUCache's offload is readable on return (callers read it on the host, and the
+        # source may be the last copy of a loaded model's tensor): wait for it. Offloads happen
+        # once, when a model is dispatched; the pipeline's traffic is onloads and write-backs.
+        _engine.wait_stored(stored)
+        _engine.warn_if_spilled(stacklevel=3)
+        return _like(stored, tensor)
+
+    def onload(self, offloaded: Tensor | None) -> Tensor | None:
+        """A copy of `offloaded` on the onload device: the prefetched one if there is one."""
+        return _onload(self, offloaded)
+
+    def _fetch(self, offloaded: list[Tensor], device: torch.device) -> list[tuple[Tensor, Any]]:
+        return _fetch_host(offloaded, device)
+
+    def _finish(self, fetched: Tensor, offloaded: Tensor) -> Tensor:
+        return _like(fetched, offloaded, onloaded=True)
+
+    def stage(self, offloaded: Tensor | None, pin_memory: bool = False) -> Tensor | None:
+        """compressed-tensors 0.20's staging: `offloaded` in host memory for a later onload.
+
+        An arena tensor is staged already (pinned on a GPU engine) and comes back as is, so a
+        prefetched copy of it stays valid; any other host tensor is put in the arena when
+        `pin_memory` asks for pinned memory, else comes back as is (as CPUCache's stage).
+        """
+        if offloaded is None:
+            return None
+        _flush(offloaded)
+        return _stage_host(offloaded, pin_memory)
+
+    @torch.no_grad()
+    def update_offload(self, offloaded: Tensor, data: Tensor | None) -> None:
+        """Copy `data` into `offloaded`'s arena block asynchronously (as ``offloaded.copy_(data)``).
+
+        The engine reads a private copy of `data` (taken now, on `data`'s device and current
+        stream) so that the caller may reuse `data` at once.
+        """
+        if data is None:
+            return
+        _drop_prefetched(offloaded)
+        if not _engine.is_offcache_tensor(offloaded):
+            # Not offcache's (assigned under disable_onloading()): no fences order the engine's
+            # reads of it, so every copy in flight lands first; then CPUCache's own copy.
+            _engine.synchronize()
+            offloaded.copy_(data)
+            return
+        src = torch.empty_like(offloaded, device=data.device)
+        src.copy_(data)  # dtype cast and broadcast as Tensor.copy_ does
+        try:
+            ticket = _engine.copy_into([offloaded], [src], wait=False)
+        except (ValueError, RuntimeError):
+            # A pair the engine refuses (a layout, or host data where a backend wants a device
+            # source): every copy in flight landed first, then a plain copy, as CPUCache's.
+            _engine.synchronize()
+            offloaded.copy_(src)
+            return
+        COUNTERS["weight_writeback_bytes"] += offloaded.nbytes
+        if _state.current is not None:
+            _state.current.written_back_bytes += offloaded.nbytes
+        # The engine orders copies into one block (write after write), so the last one wins.
+        _state.pending[id(offloaded)] = (offloaded, ticket)
+        if _state.current is None:
+            _flush(offloaded)  # outside a patched context nothing marks an end: land it now
+
+
+_READS: dict[str, Any] = {}  # real file path -> the ticket of the last fetch that read it
+
+
+class _Ready:
+    """The ticket of a tensor read without the engine: complete."""
+
+    @staticmethod
+    def query() -> bool:
+        return True
+
+    @staticmethod
+    def issued() -> bool:
+        return True
+
+    @staticmethod
+    def wait() -> None:
+        pass
+
+
+class OffcacheDiskCache(_HostReads, DiskCache):
+    """compressed-tensors' ``DiskCache``, its onload reading the checkpoint's file through the engine.
+
+    The offloaded meta tensors, ``DiskCache.index``, the checkpoint symlinks and the files an
+    update writes are compressed-tensors' own (other code reads them). An onload reads the
+    tensor's bytes from its safetensors file with the engine's ``fetch_file`` (never copying the
+    file): the engine's I/O thread reads 8 MiB pieces (from the page cache where they are
+    there, else O_DIRECT where the file system allows it) into pinned bounce buffers and
+    issues each piece's copy to the device as soon as it is read. The caller does not wait for
+    the disk, so a prefetch reads the next subgraph's weights while this one computes. Updates
+    write files as DiskCache does; a prefetched copy of an updated weight is dropped.
+    """
+
+    def onload(self, offloaded: Tensor | None) -> Tensor | None:
+        """A copy of `offloaded` on the onload device: read from its file (a meta tensor), or,
+        once staged (compressed-tensors 0.20's ``is_staged``), fetched from the staged host copy."""
+        return _onload(self, offloaded)
+
+    def stage(self, offloaded: Tensor | None, pin_memory: bool = False) -> Tensor | None:
+        """compressed-tensors 0.20's staging: the weight read from its file into host memory
+        through the engine (``fetch_file``), cast to the index's dtype with the offloaded tensor's
+        class; with `pin_memory` and a device onload, into the pinned arena. A staged tensor
+        (not meta) comes back as is."""
+        if offloaded is None:
+            return None
+        if offloaded.device.type != "meta":
+            return _stage_host(offloaded, pin_memory)
+        ((fetched, ticket),) = self._fetch([offloaded], _CPU)
+        _wait(ticket, _CPU)
+        staged = self._finish(fetched, offloaded)
+        return _stage_host(staged, pin_memory and torch.device(self.onload_device).type != "cpu")
+
+    def _fetch(self, offloaded: list[Tensor], device: torch.device) -> list[tuple[Tensor, Any]]:
+        """(copy, ticket) of each offloaded tensor, read from its file: one engine call per file.
+
+        A staged tensor (host memory, not meta) is fetched from the host instead."""
+        out: list[tuple[Tensor, Any] | None] = [None] * len(offloaded)
+        by_file: dict[str, list[tuple[int, tuple]]] = {}
+        staged = [i for i, t in enumerate(offloaded) if t.device.type != "meta"]
+        if staged:
+            for i, pair in zip(staged, _fetch_host([offloaded[i] for i in staged], device)):
+                out[i] = pair
+        for i, meta in enumerate(offloaded):
+            if out[i] is not None:
+                continue
+            info = self.index[meta]
+            real = os.path.realpath(info["safetensors_file"])
+            where = _locate(real, info["weight_name"])
+            if where is None:  # a dtype offcache does not know: DiskCache reads it (blocking)
+                out[i] = (self._read_upstream(meta, device), _Ready)
+            else:
+                by_file.setdefault(real, []).append((i, where))
+        for real, entries in by_file.items():
+            tensors, ticket = _engine.fetch_file(real, [where for _, where in entries], device, wait=False)
+            _READS[real] = ticket
+            for (i, _), tensor in zip(entries, tensors):
+                out[i] = (tensor, ticket)
+        if len(_READS) > 1024:  # a model's worth of files: keep the reads still in flight only
+            for path in [p for p, t in _READS.items() if t.query()]:
+                del _READS[path]
+        return out
+
+    def _read_upstream(self, meta: Tensor, device: torch.device) -> Tensor:
+        """DiskCache's own read of `meta` (a dtype offcache does not parse) onto `device`, unfinished."""
+        if device == _onload_device(self):
+            staged = getattr(self, "is_staged", False)  # 0.20's onload reads the file unless staged
+            if staged:
+                self.is_staged = False
+            try:
+                return super().onload(meta)
+            finally:
+                if staged:
+                    self.is_staged = True
+        return super().stage(meta).to(device)  # staging (0.20) reads onto the CPU
+
+    def _finish(self, fetched: Tensor, offloaded: Tensor) -> Tensor:
+        if offloaded.device.type != "meta":  # staged: as DiskCache's onload of a staged tensor
+            return _like(fetched, offloaded, onloaded=True)
+        # As the installed DiskCache.onload: the index's dtype and the offloaded tensor's class and
+        # attributes, in its order (0.20 casts first: a Parameter; 0.19 copies the class first).
+        dtype = getattr(torch, self.index[offloaded]["dtype"])
+        if _CAST_FIRST:
+            return to_tensor(fetched.to(dtype), offloaded)
+        return to_tensor(fetched, offloaded).to(dtype)
+
+    def update_offload(self, offloaded: Tensor, data: Tensor | None):
+        if offloaded.device.type != "meta":  # staged (0.20): a host tensor, updated as CPUCache's
+            return OffcacheCPUCache.update_offload(self, offloaded, data)
+        _drop_prefetched(offloaded)
+        # DiskCache rewrites its own file in place (truncating it): no read of it may still be
+        # in flight then (it would fail at the new end, or read the new bytes). A checkpoint
+        # symlink is only unlinked (the checkpoint is never written): its reads may go on.
+        name = self.index[offloaded]["safetensors_file"]
+        path = os.path.realpath(name)
+        reading = None if os.path.islink(name) else _READS.pop(path, None)
+        if reading is not None and not reading.query():
+            _engine.synchronize()
+        _forget(path)
+        super().update_offload(offloaded, data)

@@ -1,0 +1,164 @@
+"""The package's layers: every import points down, and nothing imports in a circle (docs/design.md's map).
+
+Read from the source (every import statement, those inside functions too), in offcache/ and in csrc/.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG = ROOT / "offcache"
+
+# Lowest first. Folders of one layer are siblings: neither imports the other.
+LAYERS = [
+    ("util",),
+    ("engine",),
+    ("activations", "weights", "kv"),
+    ("plan",),
+    ("patch",),
+    ("__init__",),
+    ("bench",),
+]
+RANK = {concern: i for i, layer in enumerate(LAYERS) for concern in layer}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def concern(module: str) -> str:
+    """offcache.kv.static -> 'kv'; offcache.patch -> 'patch'; offcache -> '__init__'."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in PKG.rglob("*.py")}
+
+
+def imports_of(path: Path, module: str, known: set[str]) -> set[str]:
+    """The offcache modules `path` imports, each resolved to the module it names (a name taken from a
+    package that is a module of its own counts as that module)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.split(".")[0] == "offcache")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            if source.split(".")[0] != "offcache":
+                continue
+            for a in node.names:
+                sub = f"{source}.{a.name}"
+                out.add(sub if sub in known else source)
+    return {m for m in out if m != module}
+
+
+def graph() -> dict[str, set[str]]:
+    found = modules()
+    known = set(found) | {"offcache._C"}
+    return {m: imports_of(p, m, known) for m, p in found.items()}
+
+
+def test_every_module_belongs_to_a_layer():
+    strays = sorted(m for m in modules() if concern(m) not in RANK)
+    assert not strays, f"modules outside every layer of LAYERS (give them a folder, or a layer): {strays}"
+
+
+def test_every_import_points_down():
+    upward = []
+    for module, targets in graph().items():
+        for target in targets:
+            if target == "offcache._C":
+                if concern(module) != "engine":
+                    upward.append(f"{module} -> offcache._C (only offcache.engine calls the compiled engine)")
+                continue
+            a, b = concern(module), concern(target)
+            if RANK[b] > RANK[a] or (RANK[b] == RANK[a] and a != b):
+                upward.append(f"{module} ({a}) -> {target} ({b})")
+    assert not upward, "imports that do not point down:\n" + "\n".join(sorted(upward))
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected component of more than one node (Tarjan), and every self-loop."""
+    index, low, on, stack, out, counter = {}, {}, set(), [], [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1 or v in edges.get(v, ()):
+                out.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_module_imports_in_a_circle():
+    assert cycles(graph()) == []
+
+
+def test_the_cycle_finder_finds_a_circle():
+    """The checks above can fail: a circle of three and an upward arrow are seen."""
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert concern("offcache.kv.static") == "kv" and RANK["plan"] > RANK["kv"]
+
+
+def _includes(path: Path) -> set[Path]:
+    out = set()
+    for name in re.findall(r'^\s*#\s*include\s+"([^"]+)"', path.read_text(), re.M):
+        target = (path.parent / name).resolve()
+        if not target.exists():
+            target = (ROOT / "csrc" / name).resolve()
+        out.add(target)
+    return out
+
+
+def test_csrc_core_is_torch_free_and_includes_only_itself():
+    core = ROOT / "csrc" / "core"
+    for path in sorted(core.iterdir()):
+        text = path.read_text()
+        assert not re.search(r"#\s*include\s+<(torch|ATen|c10|cuda|pybind11)", text), f"{path.name} includes torch/CUDA"
+        for target in _includes(path):
+            assert target.parent == core, f"csrc/core/{path.name} includes {target} (outside csrc/core: upward)"
+
+
+def test_csrc_headers_include_no_circle():
+    files = [*(ROOT / "csrc").glob("*.h"), *(ROOT / "csrc" / "core").glob("*.h")]
+    edges = {str(p.resolve()): {str(t) for t in _includes(p)} for p in files}
+    assert cycles(edges) == []
+
+
+@pytest.mark.parametrize("path", sorted(PKG.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_module_is_past_600_lines(path):
+    n = len(path.read_text().splitlines())
+    assert n <= 620, f"{path.relative_to(ROOT)} has {n} lines: the concern it holds wants its own file"
