@@ -585,3 +585,22 @@ def test_a_fetch_ticket_seen_complete_releases_the_outputs(host_engine):
         del outs
         gc.collect()
         assert all(r() is None for r in refs), see
+
+
+def test_a_host_limit_error_subclass_that_takes_other_arguments_still_names_the_batch(monkeypatch):
+    """The message is rebuilt in the engine's HostLimitError when the raised type cannot take it (the
+    fallback once named a class that did not exist, an AttributeError instead of the error)."""
+
+    class Picky(offcache.HostLimitError):
+        def __init__(self, needed: int, why: str):
+            super().__init__(f"{why} ({needed} bytes)")
+
+    def refuse(values, device, allow_spill=True):
+        raise Picky(4096, "over the host limit")
+
+    monkeypatch.setattr(_engine, "store", refuse)
+    cache = IntermediatesCache.empty(2, torch.device("cpu"))
+    with pytest.raises(offcache.HostLimitError) as info:
+        cache.update(1, {"hidden": torch.ones(4)})
+    assert type(info.value) is offcache.HostLimitError
+    assert "batch 1" in str(info.value) and "over the host limit (4096 bytes)" in str(info.value)
