@@ -138,6 +138,10 @@ class Backend {
                                            c10::Device /*consumer*/) {
     return nullptr;
   }
+  // Whether small outputs for `consumer` may share one allocation (a span copy,
+  // each output a storage inside it): only where the allocator ignores memory it
+  // did not allocate, so that Tensor.record_stream on such an output stays legal.
+  virtual bool packs_outputs(c10::Device /*consumer*/) const { return true; }
   // Lets `from`'s copy engine read and write `to`'s memory directly.
   virtual void enable_peer_access(c10::Device from, c10::Device to) = 0;
   // Run by every engine-owned thread (the host copy streams' workers, the I/O

@@ -112,9 +112,27 @@ class CudaEvent final : public Event {
   void wait_current(int device) override {
     if (device < 0) return wait();
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    OFFCACHE_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    if (capture != cudaStreamCaptureStatusNone) {
+      // A captured graph cannot wait on an event recorded outside its capture (the wait
+      // would invalidate it). A copy already complete needs no wait: the graph's kernels
+      // read finished outputs. One still in flight is refused, saying what to do instead.
+      bool done = false;
+      try {
+        done = query();
+      } catch (const EventUnknown&) {  // a query refused by the capture: not known done
+      }
+      TORCH_CHECK(done, "offcache: Ticket.wait() during a CUDA graph capture on cuda:", device,
+                  ": the copy it waits for is still in flight, and a captured graph cannot wait "
+                  "on an event recorded outside the capture. Wait before the capture begins "
+                  "(fetch(..., wait=True), or ticket.wait() then a synchronize, before "
+                  "torch.cuda.graph(...)), or poll ticket.query() until it is True.");
+      return;
+    }
     ++counters_->stream_waits;
-    OFFCACHE_CUDA_CHECK(
-        cudaStreamWaitEvent(c10::cuda::getCurrentCUDAStream(device).stream(), event_, 0));
+    OFFCACHE_CUDA_CHECK(cudaStreamWaitEvent(stream, event_, 0));
   }
   double elapsed_ms_since(Event& start) override {
     auto* s = dynamic_cast<CudaEvent*>(&start);
@@ -501,6 +519,13 @@ class CudaBackend : public Backend {
   std::string stream_error() override {
     std::string e = host_d2h_.error();
     return e.empty() ? host_h2d_.error() : e;
+  }
+
+  bool packs_outputs(c10::Device consumer) const override {
+    // The native caching allocator ignores a pointer it did not allocate in recordStream;
+    // cudaMallocAsync (and a pluggable allocator) asserts on it, and a packed output is
+    // one (issue 32 item 3): there every output is an allocation of its own.
+    return !consumer.is_cuda() || c10::cuda::CUDACachingAllocator::name() == "native";
   }
 
   void enable_peer_access(c10::Device from, c10::Device to) override {

@@ -130,6 +130,7 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
   // event, then the whole fetch's, is a ChainedEvent that no earlier group waits on.
   std::stable_partition(source_devices.begin(), source_devices.end(),
                         [](c10::Device d) { return !d.is_cpu(); });
+  const bool pack = backend_->packs_outputs(device);  // else one allocation per output
   for (c10::Device from : source_devices) {
     // Segments: a host block's values move as one span while it stays dense enough.
     std::vector<Segment> segments;
@@ -139,7 +140,7 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
       if (!s.dense.defined() || s.dense.device() != from) continue;
       const auto* p = static_cast<const char*>(s.dense.data_ptr());
       const size_t bytes = s.dense.nbytes();
-      if (s.block != nullptr && bytes < kPackBytes) {
+      if (pack && s.block != nullptr && bytes < kPackBytes) {
         auto it = open.find(s.block);
         if (it != open.end()) {
           Segment& seg = segments[it->second];
