@@ -61,6 +61,11 @@ def _on_cpu(index):
     return index.to(_CPU) if isinstance(index, torch.Tensor) else index
 
 
+def _views_of(new: tuple[torch.Tensor, torch.Tensor], old: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """Whether each new tensor shares its memory with the old one (a slice of it, as crop makes)."""
+    return all(n.untyped_storage().data_ptr() == o.untyped_storage().data_ptr() for n, o in zip(new, old))
+
+
 class _Offloaded(OffloadedLayerBase):
     """Arena-backed K/V chunks (along the sequence) and an in-flight prefetch, shared by the layer classes."""
 
@@ -151,8 +156,10 @@ class _Offloaded(OffloadedLayerBase):
     # the copies ------------------------------------------------------------------------------
 
     def prefetch(self) -> None:
-        """Start the H2D copy of this layer's K/V; update() waits on it."""
-        if self._host_k and self._prefetched is None:
+        """Start the H2D copy of this layer's K/V; update() waits on it. Not while a chunk is handed out
+        (keys/values): an edit through it before the next update must be seen, and a prefetch issued
+        before the edit would miss it (a forward that failed part-way leaves such a layer unupdated)."""
+        if self._host_k and self._prefetched is None and not self.__dict__.get("_exposed", False):
             tensors, ticket = _engine.fetch(self._host_k + self._host_v, self.device, False)
             self._prefetched = (tensors, self._version, len(self._host_k), ticket)
 
@@ -200,7 +207,12 @@ class _Offloaded(OffloadedLayerBase):
             if name in shadow.__dict__:
                 setattr(self, name, shadow.__dict__[name])
         if shadow.keys is not before[0] or shadow.values is not before[1]:
-            k, v = _engine.store([shadow.keys.contiguous(), shadow.values.contiguous()], _CPU)
+            if len(self._host_k) == 1 and _views_of((shadow.keys, shadow.values), before):
+                # A view of the layer's one arena chunk (crop slices): kept as transformers' layer keeps it,
+                # so a reference taken before still shares its memory, as DynamicCache's does.
+                k, v = shadow.keys, shadow.values
+            else:
+                k, v = _engine.store([shadow.keys.contiguous(), shadow.values.contiguous()], _CPU)
             self._host_k, self._host_v = [k], [v]
             self._changed()
             self._set_length(k.shape[-2])

@@ -248,8 +248,11 @@ class _StaticOffloaded(OffloadedLayerBase):
         n = self._filled() if self.is_initialized else 0
         if n == 0:
             return
-        self._drop_prefetch()
         idx = beam_idx.to(_CPU)
+        if self._exposed:  # StaticCache's reorder makes new tensors: a reference handed out before sees none of it
+            self._rebatch(lambda t: t.index_select(0, idx))
+            return
+        self._drop_prefetch()
         dsts = [self._host_k[:, :, :n], self._host_v[:, :, :n]]
         srcs = [t[:, :, :n].index_select(0, idx) for t in self._own_kv()]  # read once written
         # Host to host on the engine's stream, after the H2D copies still reading the arena layer.

@@ -3,7 +3,10 @@
 One machine drives both offcache caches side by side with their references on a tiny model:
 ``OffloadedKVCache`` with ``DynamicCache``, ``OffloadedStaticKVCache`` with ``StaticCache``.
 Rules: forward steps of random lengths, reads and in-place edits (tensor, ``.data``, numpy) of
-any layer's keys / values, ``reorder_cache``, ``crop``, ``batch_select_indices``,
+any layer's keys / values, references to them held across later steps and edited then (DynamicCache's
+are stale after the next update, StaticCache's persistent), updates that fail at the engine
+(HostLimitError: the layer is left as it was, the reference not updated), ``reorder_cache``,
+``crop``, ``batch_select_indices``,
 ``batch_repeat_interleave``, ``deepcopy`` / pickling, ``reset``. Every step's logits equal the
 reference's; every layer's K/V are compared by a rule and at the end (a rule, not an invariant:
 reading K/V drops a layer's prefetch, and the prefetch carried from one step to the next must be
@@ -22,7 +25,9 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import pickle
+from unittest import mock
 
 import pytest
 import torch
@@ -37,8 +42,11 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+import offcache
+from offcache import engine as _engine
 from offcache.bench.models import causal_lm
 from offcache.kv.dynamic import OffloadedKVCache
+from offcache.kv.layer import OffloadedLayerBase
 from offcache.kv.static import OffloadedStaticKVCache, _resident_op
 from tests.kv.kv_models import edit_in_place, kw, tiny_causal_lm
 
@@ -99,6 +107,7 @@ class KVCaches(RuleBasedStateMachine):
             "static": [OffloadedStaticKVCache(config=config, max_cache_len=MAX_LEN, offload_sliding=offload_sliding),
                        StaticCache(config=config, max_cache_len=MAX_LEN)],
         }  # fmt: skip
+        self.held = []  # (ours, the reference's): a layer's keys or values taken earlier
 
     # forward steps ------------------------------------------------------------------------
 
@@ -109,6 +118,8 @@ class KVCaches(RuleBasedStateMachine):
             self.edit(
                 data, data.draw(st.booleans()), data.draw(st.sampled_from(HOW)), data.draw(st.sampled_from(FACTORS))
             )
+        if self.seq > 0 and data.draw(st.booleans(), label="hold across"):  # edited once the step is done
+            self.hold_references()
         n = data.draw(st.integers(1, min(5, MAX_LEN - self.seq)), label="tokens")
         seed = data.draw(st.integers(0, 2**16), label="seed")
         ids = torch.randint(1, 128, (self.batch, n), generator=torch.Generator().manual_seed(seed))
@@ -118,6 +129,8 @@ class KVCaches(RuleBasedStateMachine):
                 want = self.model(input_ids=ids, **kw(ref), use_cache=True).logits
                 assert close(got, want), (name, (got - want).abs().max())
         self.seq += n
+        if self.held and data.draw(st.booleans(), label="edit held"):
+            self.edit_held_references(data.draw(st.sampled_from(HOW)), data.draw(st.sampled_from(FACTORS)))
 
     # reads and in-place edits ---------------------------------------------------------------
 
@@ -140,6 +153,48 @@ class KVCaches(RuleBasedStateMachine):
             for cache in (ours, ref):
                 layer = cache.layers[i]
                 edit_in_place(layer.values if values else layer.keys, how, factor)
+
+    @precondition(lambda self: self.seq > 0)
+    @rule()
+    def hold_references(self):
+        """Take every layer's keys and values and keep them across later steps (issue 31 items 2 and 3)."""
+        self.held = [(getattr(ours.layers[i], what), getattr(ref.layers[i], what))
+                     for ours, ref in self.pairs.values() for i, layer in enumerate(ref.layers)
+                     if holds_kv(layer) and layer.is_initialized and int(layer.get_seq_length())
+                     for what in ("keys", "values")]  # fmt: skip
+
+    @precondition(lambda self: bool(getattr(self, "held", None)))
+    @rule(how=st.sampled_from(HOW), factor=st.sampled_from(FACTORS))
+    def edit_held_references(self, how, factor):
+        """Edit through references taken before later steps: an edit reaches StaticCache (persistent tensors),
+        not DynamicCache once an update made new ones; offcache must agree on every layer."""
+        offcache.synchronize()  # an old reference to the arena sees a D2H in flight once it landed (docs)
+        for a, b in self.held:
+            edit_in_place(a, how, factor)
+            edit_in_place(b, how, factor)
+
+    @precondition(lambda self: 0 < self.seq < MAX_LEN)
+    @rule(data=st.data())
+    def failed_update(self, data):
+        """An update of an offloaded layer that fails at the engine (HostLimitError) leaves the layer as it
+        was; the reference is not updated, and every later step still matches (issue 31 item 4)."""
+        for name, (ours, ref) in self.pairs.items():
+            offloaded = [i for i, layer in enumerate(ours.layers) if isinstance(layer, OffloadedLayerBase)]
+            offloaded = [i for i in offloaded if ref.layers[i].is_initialized and ref.layers[i].get_seq_length()]
+            if not offloaded:
+                continue
+            i = data.draw(st.sampled_from(offloaded), label="failing layer")
+            keys = ref.layers[i].keys
+            k = torch.randn(*keys.shape[:2], 1, keys.shape[-1], dtype=keys.dtype)
+            reached = []
+            refuse = functools.partial(_refuse, reached)
+            before = int(ours.layers[i].get_seq_length())
+            with mock.patch.object(_engine, "store", refuse), mock.patch.object(_engine, "copy_into", refuse):
+                with pytest.raises(offcache.HostLimitError):
+                    ours.update(k, -k, i)
+            assert reached, (name, i, "the injected failure was not reached")
+            assert int(ours.layers[i].get_seq_length()) == before, (name, i)
+            assert_same_layer(ours.layers[i], ref.layers[i], name == "static", (name, i, "after a failed update"))
 
     # transformers' operations -----------------------------------------------------------------
 
@@ -216,6 +271,12 @@ class KVCaches(RuleBasedStateMachine):
             self.check_layers(None)
 
 
+def _refuse(reached: list, *args, **kwargs):
+    """The engine's store / copy_into, failing as at the host limit with no disk tier."""
+    reached.append(1)
+    raise offcache.HostLimitError("injected: the host limit is reached")
+
+
 def _static_ref_op(layer, op: str, arg) -> None:
     """StaticCache's layer operation, or, where the installed transformers lacks it, the plain one
     (what OffloadedStaticKVCache does to its resident layers)."""
@@ -225,7 +286,7 @@ def _static_ref_op(layer, op: str, arg) -> None:
         _resident_op(layer, op, arg)
 
 
-SETTINGS = settings(max_examples=5, stateful_step_count=10, deadline=None,
+SETTINGS = settings(max_examples=int(os.environ.get("KV_MACHINE_EXAMPLES", "5")), stateful_step_count=10, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip
 
 
