@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import offcache
-from offcache import kv, plan, plan_sim, plan_trace
+from offcache import _engine, kv, plan, plan_sim, plan_trace
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("llmcompressor")
@@ -104,6 +104,53 @@ def test_the_peak_holds_subgraph_0s_block_and_one_layer_of_hidden_states():
     assert on_cpu.cache_peak_bytes == p.cache_peak_bytes + later.batch_bytes  # the snapshot is host memory too
     assert any("OFFCACHE_MAX_IN_FLIGHT" in a for a in on_cpu.advice)  # more snapshots may be in flight
     assert not any("OFFCACHE_MAX_IN_FLIGHT" in a for a in p.advice)
+
+
+def test_a_cpu_models_snapshots_in_flight_are_in_the_bound(engine_config):
+    # With two passes a subgraph's stores are waited for only by the next subgraph's first pass: the
+    # snapshots of all 8 batches may be in flight (the one being stored is in the cache peak already),
+    # unless OFFCACHE_MAX_IN_FLIGHT holds fewer. On a GPU the snapshot is device memory: nothing more.
+    shape = dataclasses.replace(SHAPE, layers=6)
+    engine_config(backend="host")  # OFFCACHE_MAX_IN_FLIGHT's default, 1 GiB: the run's stores bound it
+    on_cpu = plan.estimate(shape=shape, samples=8, seq_len=64, onload="cpu")
+    later = on_cpu.boundaries[2]
+    assert later.in_flight_bytes == 7 * later.batch_bytes
+    assert on_cpu.peak_bound_bytes == max(b.cache_peak_bytes + b.in_flight_bytes for b in on_cpu.boundaries)
+    assert on_cpu.in_flight_bytes == on_cpu.peak_bound_bytes - on_cpu.cache_peak_bytes > 0
+    text = plan.render(on_cpu)
+    assert f"in flight: up to {on_cpu.in_flight_bytes} bytes" in text and "OFFCACHE_MAX_IN_FLIGHT" in text
+    assert f"peak bound {on_cpu.peak_bound_bytes} bytes" in text
+    single = plan.estimate(shape=shape, samples=8, seq_len=64, onload="cpu", propagate_error=False)
+    # One pass: the previous subgraph's stores are waited for batch by batch, so they may be in flight too.
+    assert single.boundaries[2].in_flight_bytes == 7 * later.batch_bytes + 8 * single.boundaries[1].batch_bytes
+    engine_config(backend="host", max_in_flight=later.batch_bytes)  # one store's copy at a time
+    bounded = plan.estimate(shape=shape, samples=8, seq_len=64, onload="cpu")
+    assert later.batch_bytes <= bounded.boundaries[2].in_flight_bytes < 2 * later.batch_bytes
+    assert bounded.cache_peak_bytes == on_cpu.cache_peak_bytes < bounded.peak_bound_bytes < on_cpu.peak_bound_bytes
+    on_gpu = plan.estimate(shape=shape, samples=8, seq_len=64)
+    assert on_gpu.in_flight_bytes == 0 and on_gpu.peak_bound_bytes == on_gpu.cache_peak_bytes
+    assert "in flight" not in plan.render(on_gpu)
+
+
+def test_the_calibration_sets_snapshots_in_flight_stay_under_the_bound(engine_config):
+    # from_dataloader stores every batch with nothing waiting for a copy: with the copy thread slowed
+    # down, every batch's snapshot may still be in the arena when the last batch is stored.
+    from offcache.cache import IntermediatesCache
+
+    samples, seq = 8, 64
+    engine_config(backend="host", host_copy_delay_us=20_000)
+    batches = [{"input_ids": torch.full((1, seq), i), "attention_mask": torch.ones(1, seq, dtype=torch.long)}
+               for i in range(samples)]  # fmt: skip
+    cache = IntermediatesCache.from_dataloader(batches, torch.device("cpu"))
+    offcache.synchronize()
+    s = offcache.stats()
+    measured = s["peak_pinned_in_use_bytes"] + s["peak_pageable_bytes"]
+    del cache
+    replay = plan_sim.simulate_groups([(samples, [], plan_sim.inputs_of(1, seq))], onload="cpu", host_limit=1 << 40,
+                                      max_in_flight=_engine.settings()["max_in_flight"])  # fmt: skip
+    assert replay.peak_bytes == samples * 2 * seq * 8 + 2 * seq * 8  # the stored batches and one snapshot
+    assert replay.in_flight == [(samples - 1) * 2 * seq * 8]
+    assert measured <= replay.bound_bytes == replay.peak_bytes + replay.in_flight[0], (measured, replay)
 
 
 def test_the_dtype_and_the_batch_size_change_what_is_stored():
