@@ -66,21 +66,27 @@ def test_the_options_that_change_what_is_stored(saved, engine_config, family, ba
 
 
 @pytest.mark.parametrize(
-    "family, batch_size, threads, delay_us",
-    [("llama", 1, 1, 0), ("llama", 1, 2, 0), ("llama", 1, None, 0), ("llama", 1, None, 20_000),
-     ("gemma2", 3, 1, 0), ("gemma2", 3, None, 0), ("gemma2", 3, 2, 20_000)],
+    "family, batch_size, threads, delay_us, options",
+    [("llama", 1, 1, 0, {}), ("llama", 1, 2, 0, {}), ("llama", 1, None, 0, {}), ("llama", 1, None, 20_000, {}),
+     ("gemma2", 3, 1, 0, {}), ("gemma2", 3, None, 0, {}), ("gemma2", 3, 2, 20_000, {}),
+     ("llama", 2, 1, 0, {"targets": ["Linear"]}), ("llama", 2, None, 0, {"propagate_error": False}),
+     ("llama", 2, 1, 0, {"targets": ["Linear"], "propagate_error": False})],
 )  # fmt: skip
-def test_the_peak_bound_holds_with_copies_in_flight(saved, engine_config, family, batch_size, threads, delay_us):
+def test_the_peak_bound_holds_with_copies_in_flight(saved, engine_config, family, batch_size, threads, delay_us,
+                                                    options):  # fmt: skip
     # OFFCACHE_MAX_IN_FLIGHT's default: how many snapshots are still in the arena when a store is made
     # depends on the machine (torch's threads beside the copy thread, copies slowed down); the plan's
     # bound counts what the engine's limits and the pipeline's waits let be in flight, whatever the timing.
+    # Linear targets: a subgraph need not read the previous one's outputs, which then stay in flight longer;
+    # one pass (propagate_error=False): the previous subgraph's stores complete batch by batch.
     engine_config(backend="host", host_copy_delay_us=delay_us)
-    p = plan_accuracy.estimate(saved(family), samples=6, seq_len=24, batch_size=batch_size)
+    p = plan_accuracy.estimate(saved(family), samples=6, seq_len=24, batch_size=batch_size, **options)
+    run = {"sequential_targets" if k == "targets" else k: v for k, v in options.items()}
     default = torch.get_num_threads()
     torch.set_num_threads(threads or default)
     try:
         measured = plan_accuracy.measure(saved(family), samples=6, seq_len=24, batch_size=batch_size,
-                                         max_in_flight=None, host_copy_delay_us=delay_us)  # fmt: skip
+                                         max_in_flight=None, host_copy_delay_us=delay_us, **run)  # fmt: skip
     finally:
         torch.set_num_threads(default)
     assert p.method == "traced"

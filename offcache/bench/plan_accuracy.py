@@ -154,13 +154,14 @@ def measure(folder: Path, samples: int, seq_len: int, batch_size: int, max_in_fl
 
 
 def estimate(folder: Path, samples: int, seq_len: int, batch_size: int, targets=None, per_subgraph: int = 1,
-             collator: str = "truncation", varied: bool = False):  # fmt: skip
+             collator: str = "truncation", varied: bool = False, propagate_error: bool = True):  # fmt: skip
     """The plan of the run `measure` makes (with the engine's configuration now: its in-flight limit)."""
     from offcache import plan
 
     return plan.estimate(folder, samples=samples, seq_len=seq_len, dtype="float32", batch_size=batch_size,
                          onload="cpu", uniform_lengths=not varied, sequential_targets=targets,
-                         targets_per_subgraph=per_subgraph, collator=collator)  # fmt: skip
+                         targets_per_subgraph=per_subgraph, collator=collator,
+                         propagate_error=propagate_error)  # fmt: skip
 
 
 def compare(family: str, folder: Path, samples: int, seq_len: int, batch_size: int, targets=None,
