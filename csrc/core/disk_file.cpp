@@ -22,9 +22,15 @@ bool aligned(const void* buf, size_t bytes, off_t offset) {
          static_cast<size_t>(offset) % kDiskAlign == 0;
 }
 
-// A new file with no name: made in a fresh private folder, unlinked, and the
+// A new file with no name: O_TMPFILE where the file system has it (the file
+// never has a name); else made in a fresh private folder, unlinked, and the
 // folder removed, before this returns. -1 with `error` set on failure.
 int anonymous_file(const std::string& dir, std::string* error) {
+#ifdef O_TMPFILE
+  // Refused (EOPNOTSUPP, EISDIR, EINVAL: none here; else the folder's fault, said below): named.
+  const int tmp = open(dir.c_str(), O_TMPFILE | O_RDWR | O_EXCL | O_CLOEXEC, 0600);
+  if (tmp >= 0) return tmp;
+#endif
   std::string tmpl = dir + "/offcache-XXXXXX";
   std::vector<char> buf(tmpl.begin(), tmpl.end());
   buf.push_back('\0');

@@ -112,11 +112,13 @@ def _load(folder: Path):
     raise ValueError(f"{folder}: neither a causal LM nor an image-text-to-text model")
 
 
-def measure(folder: Path, samples: int, seq_len: int, batch_size: int, **options) -> int:
+def measure(folder: Path, samples: int, seq_len: int, batch_size: int, max_in_flight: int | str | None = 1,
+            host_copy_delay_us: int = 0, **options) -> int:  # fmt: skip
     """The engine's cache peak in a real GPTQ oneshot of the model in `folder` (host backend, fresh engine).
 
     `options`: sequential_targets, sequential_targets_per_subgraph, data_collator (oneshot's), and
-    varied=True for samples of different lengths (length // 2 to seq_len)."""
+    varied=True for samples of different lengths (length // 2 to seq_len). `max_in_flight` (None:
+    OFFCACHE_MAX_IN_FLIGHT or its default) and `host_copy_delay_us`: the engine's settings of those names."""
     import transformers
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import GPTQModifier
@@ -125,10 +127,10 @@ def measure(folder: Path, samples: int, seq_len: int, batch_size: int, **options
 
     varied = options.pop("varied", False)
     offcache.synchronize()
-    # A fresh engine (its peaks are this run's) with one store in flight at a time: on a CPU model each
-    # store's snapshot lives until its copy lands, and how many pile up beyond the one being stored
-    # depends on the machine's load (up to OFFCACHE_MAX_IN_FLIGHT); the plan counts the one.
-    offcache.configure(backend="host", max_in_flight=1)
+    # A fresh engine (its peaks are this run's), by default with one store in flight at a time: on a CPU
+    # model each store's snapshot lives until its copy lands, and how many pile up beyond the one being
+    # stored depends on the machine's load (up to OFFCACHE_MAX_IN_FLIGHT); the cache peak counts the one.
+    offcache.configure(backend="host", max_in_flight=max_in_flight, host_copy_delay_us=host_copy_delay_us)
     config = transformers.AutoConfig.from_pretrained(folder)
     model = _load(folder)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
@@ -151,6 +153,17 @@ def measure(folder: Path, samples: int, seq_len: int, batch_size: int, **options
     return peak
 
 
+def estimate(folder: Path, samples: int, seq_len: int, batch_size: int, targets=None, per_subgraph: int = 1,
+             collator: str = "truncation", varied: bool = False, propagate_error: bool = True):  # fmt: skip
+    """The plan of the run `measure` makes (with the engine's configuration now: its in-flight limit)."""
+    import offcache.plan as plan
+
+    return plan.estimate(folder, samples=samples, seq_len=seq_len, dtype="float32", batch_size=batch_size,
+                         onload="cpu", uniform_lengths=not varied, sequential_targets=targets,
+                         targets_per_subgraph=per_subgraph, collator=collator,
+                         propagate_error=propagate_error)  # fmt: skip
+
+
 def compare(family: str, folder: Path, samples: int, seq_len: int, batch_size: int, targets=None,
             per_subgraph: int = 1, collator: str = "truncation", varied: bool = False) -> dict:  # fmt: skip
     """One row: the prediction, the measurement, their ratio and the planner's method.
@@ -158,12 +171,8 @@ def compare(family: str, folder: Path, samples: int, seq_len: int, batch_size: i
     `targets`, `per_subgraph`, `collator`: llm-compressor's sequential_targets,
     sequential_targets_per_subgraph and data_collator; `varied`: samples of different lengths
     (the plan, at seq_len, is then an upper bound)."""
-    import offcache.plan as plan
-
     t0 = time.perf_counter()
-    p = plan.estimate(folder, samples=samples, seq_len=seq_len, dtype="float32", batch_size=batch_size,
-                      onload="cpu", uniform_lengths=not varied, sequential_targets=targets,
-                      targets_per_subgraph=per_subgraph, collator=collator)  # fmt: skip
+    p = estimate(folder, samples, seq_len, batch_size, targets, per_subgraph, collator, varied)
     plan_s = time.perf_counter() - t0
     options = {"sequential_targets_per_subgraph": per_subgraph, "data_collator": collator, "varied": varied}
     if targets:

@@ -18,7 +18,7 @@ from offcache.util.units import seconds_text as _seconds
 # The lines whose numbers depend on the machine (its memory, GPU, disk, offcache's configuration);
 # every other line is the planner's arithmetic on the model and the run.
 MACHINE_LINES = ("This machine:", "  the peak would use:", "  placed:", "  disk tier (this machine", "  weight onloads",
-                 "Advice: On this machine")  # fmt: skip
+                 "Advice: On this machine", "  in flight:")  # fmt: skip
 
 
 def render(p: _plan.Plan) -> str:
@@ -38,11 +38,12 @@ def render(p: _plan.Plan) -> str:
     out.append("Per subgraph (stored after it: per batch, all batches; the cache's peak meanwhile; its weights):")
     runs: list[list[_plan.Boundary]] = []  # consecutive boundaries alike but for the target, printed as one line
     for b in p.boundaries:
-        key = (list(b.values.values()), b.batch_bytes, b.total_bytes, b.cache_peak_bytes, b.weight_bytes)
+        key = (list(b.values.values()), b.batch_bytes, b.total_bytes, b.cache_peak_bytes, b.weight_bytes,
+               b.in_flight_bytes)  # fmt: skip
         last = runs[-1][-1] if runs else None
         same = last is not None and last.subgraph > 0 and b.subgraph > 0
         if same and (list(last.values.values()), last.batch_bytes, last.total_bytes, last.cache_peak_bytes,
-                     last.weight_bytes) == key:  # fmt: skip
+                     last.weight_bytes, last.in_flight_bytes) == key:  # fmt: skip
             runs[-1].append(b)
         else:
             runs.append([b])
@@ -55,11 +56,19 @@ def render(p: _plan.Plan) -> str:
             f"{len(b.values)} values ({b.tensors} distinct tensors)"  # fmt: skip
         out.append(
             f"  {which}: {values} = {b.batch_bytes} bytes/batch, {_h(b.total_bytes)} total; "
-            f"cache peak {_h(b.cache_peak_bytes)}; weights {_h(b.weight_bytes)}"
+            f"cache peak {_h(b.cache_peak_bytes)}"
+            + (f" (+{_h(b.in_flight_bytes)} in flight)" if b.in_flight_bytes else "")
+            + f"; weights {_h(b.weight_bytes)}"
         )
     if w.per_subgraph:
         out.append(f"  last subgraph {len(w.per_subgraph) - 1}: stores nothing; weights {_h(w.per_subgraph[-1])}")
     out.append(f"Cache peak: {_h(p.cache_peak_bytes)}")
+    if p.onload == "cpu":  # a CPU model's snapshots are host memory until their copies land
+        out.append(
+            f"  in flight: up to {_h(p.in_flight_bytes)} more, snapshots of stores whose copies have not landed "
+            f"(the stores since the pipeline last fetched one, at most OFFCACHE_MAX_IN_FLIGHT of copies): "
+            f"peak bound {_h(p.peak_bound_bytes)}"
+        )
     not_walked = max(w.total_bytes - w.walked_bytes, 0)
     line = f"Weights: {_h(w.total_bytes)} in total"
     if not_walked:

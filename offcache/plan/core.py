@@ -92,6 +92,7 @@ class Boundary:
     total_bytes: int  # over every batch
     cache_peak_bytes: int  # the most the cache holds while this subgraph's outputs are stored
     weight_bytes: int  # the weights the subgraph runs (onloaded for it when offloaded)
+    in_flight_bytes: int = 0  # what snapshots still in flight may hold beyond cache_peak_bytes (a CPU model)
 
 
 @dataclass
@@ -143,7 +144,9 @@ class Plan:
     shape: Shape
     input_bytes: int  # the calibration set in the cache (input_ids, attention_mask)
     boundaries: list[Boundary]
-    cache_peak_bytes: int
+    cache_peak_bytes: int  # the cache at its peak, a CPU model's snapshot of the store being made included
+    in_flight_bytes: int  # what a CPU model's snapshots still in flight may hold more, at the bound's peak
+    peak_bound_bytes: int  # the most the cache may hold, snapshots in flight included: the measured peak's bound
     weights: Weights
     tiers: Tiers
     d2h_bytes: int  # every stored value, once
@@ -378,13 +381,15 @@ def _host_limit_text(n: int) -> str:
 
 
 def _advice(p_peak: int, tiers: Tiers, weights: Weights, method: str, reason: str, bounded: bool,
-            in_flight: int) -> list[str]:  # fmt: skip
+            in_flight: tuple[int, int, int] | None) -> list[str]:  # fmt: skip
     out = []
-    if in_flight:
+    if in_flight is not None:
+        more, bound, limit = in_flight
         out.append(
             f"On this machine, with the model on the CPU, each store's snapshot lives in host memory until its copy "
-            f"lands: the peak counts the one being stored; copies still in flight when the machine is busy can hold "
-            f"up to OFFCACHE_MAX_IN_FLIGHT ({_h(in_flight)}) more (an upper bound of {_h(p_peak + in_flight)})."
+            f"lands: the cache peak counts the one being stored; those still in flight (the stores since the "
+            f"pipeline last fetched one, at most OFFCACHE_MAX_IN_FLIGHT={_h(limit)} of copies) can hold up to "
+            f"{_h(more)} more: the peak bound is {_h(bound)}."
         )
     if method == "formula":
         out.append(f"Stored values from the Llama formula (fallback), not from the model: {reason}.")
@@ -477,8 +482,8 @@ def estimate(
     inputs = {b: plan_sim.inputs_of(b, seq_len) for b in sizes}
     settings = _engine.settings()
     replay = plan_sim.simulate_groups([(n, per_size[b], inputs[b]) for b, n in groups], onload=onload,
-                                      host_limit=settings.get("host_limit", 0),
-                                      passes=2 if propagate_error else 1)  # fmt: skip
+                                      host_limit=settings.get("host_limit", 0), passes=2 if propagate_error else 1,
+                                      max_in_flight=settings.get("max_in_flight"))  # fmt: skip
     tiers = _tiers(replay.peak_bytes, settings)
     first = per_size[sizes[0]]
     weights = _weights([sg.weight_bytes for sg in first], weight_total, walked, onload, _gpu_bytes(gpu_bytes),
@@ -489,7 +494,7 @@ def estimate(
         boundaries.append(Boundary(
             subgraph=k, targets=_targets(sg.targets), values=dict(sg.shapes), weight_bytes=sg.weight_bytes,
             batch_bytes=sum(n for _, n in _distinct(sg.outputs)), tensors=len(_distinct(sg.outputs)), total_bytes=total,
-            cache_peak_bytes=replay.peaks[k + 1],
+            cache_peak_bytes=replay.peaks[k + 1], in_flight_bytes=replay.in_flight[k + 1],
         ))  # fmt: skip
     d2h, h2d = replay.d2h_bytes, replay.h2d_bytes
     disk_seconds = replay.disk_write_bytes / (disk_write_gbps * 1e9) + replay.disk_read_bytes / (disk_read_gbps * 1e9)
@@ -503,7 +508,8 @@ def estimate(
         method=method, method_reason=reason, notes=list(notes), shape=shape,
         input_bytes=sum(n * sum(nbytes for _, nbytes in _distinct(inputs[b])) for b, n in groups),
         boundaries=boundaries,
-        cache_peak_bytes=replay.peak_bytes, weights=weights, tiers=tiers, d2h_bytes=d2h, h2d_bytes=h2d,
+        cache_peak_bytes=replay.peak_bytes, in_flight_bytes=replay.bound_bytes - replay.peak_bytes,
+        peak_bound_bytes=replay.bound_bytes, weights=weights, tiers=tiers, d2h_bytes=d2h, h2d_bytes=h2d,
         disk_write_bytes=replay.disk_write_bytes, disk_read_bytes=replay.disk_read_bytes,
         pinned_gbps=pinned_gbps, pinned_source=H200_PINNED_SOURCE if pinned_gbps == H200_PINNED_GBPS else "given",
         pageable_gbps=pageable_gbps, pageable_source=PAGEABLE_SOURCE if pageable_gbps == PAGEABLE_GBPS else "given",
@@ -512,7 +518,8 @@ def estimate(
         seconds_pinned=(d2h + h2d) / (pinned_gbps * 1e9), seconds_pageable=(d2h + h2d) / (pageable_gbps * 1e9),
         seconds_disk=disk_seconds, seconds_weights=weight_seconds,
         advice=_advice(replay.peak_bytes, tiers, weights, method, reason, bounded,
-                       settings.get("max_in_flight", 0) if onload == "cpu" else 0)
+                       (replay.bound_bytes - replay.peak_bytes, replay.bound_bytes, settings.get("max_in_flight", 0))
+                       if onload == "cpu" else None)
         + ([SPLIT_APPROXIMATE] if replay.approximate else []) + ([past_positions] if past_positions else []),
     )  # fmt: skip
 

@@ -9,11 +9,26 @@ rounded up to 256 bytes; a tensor given twice in one call, e.g. one mask under s
 names, is stored once) that lives while any of its names does; a store snapshots its source
 first (on a CPU model, in host memory, until the copy lands). A block that does not fit under
 the host limit goes to the disk tier; its bytes are written there and read back on every fetch.
+
+Snapshots still in flight (`in_flight_bounds`): on a CPU model a store's snapshot is an arena
+block (the engine's staging, csrc/engine_store.cpp) that lives until its copy completes and the
+engine reaps it. Nothing in the pipeline waits for a store but a fetch of what it stored (a
+fetch's copy waits for the block's store, and a CPU consumer waits for the fetch; the copy
+stream completes in order, so every earlier store is then complete too), so the snapshots that
+may be alive at a store are those of the stores after the newest one a fetch has read: with
+``propagate_error`` (two passes) the current subgraph's earlier stores, and every store of the
+subgraphs since the newest one whose values it reads (its first pass fetched every batch's);
+with one pass, the subgraph it reads completes batch by batch alongside the current stores.
+The engine bounds them apart from timing: a store waits (``Engine::throttle``) until the
+copies of stores in flight plus its own are at most OFFCACHE_MAX_IN_FLIGHT bytes (one larger
+store goes alone), so the snapshots alive are at most max(OFFCACHE_MAX_IN_FLIGHT, the largest
+store) bytes, each rounded up to the arena's alignment.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,6 +51,10 @@ class Replay:
     disk_read_bytes: int
     disk_peak_bytes: int
     approximate: bool = False  # the memory/disk split after a long alternating run is approximate (see _fast_forward)
+    # What snapshots still in flight may hold beyond `peaks` (a CPU model's; in_flight_bounds), per phase
+    # as `peaks`; bound_bytes: the most the cache holds with them, max(peaks[i] + in_flight[i]).
+    in_flight: list[int] = field(default_factory=list)
+    bound_bytes: int = 0
 
 
 def inputs_of(batch: int, seq: int) -> dict[str, list]:
@@ -44,7 +63,7 @@ def inputs_of(batch: int, seq: int) -> dict[str, list]:
 
 
 def simulate(per_batch: list[list[SubgraphValues]], inputs: list[dict], *, onload: str, host_limit: int,
-             passes: int = 2) -> Replay:  # fmt: skip
+             passes: int = 2, max_in_flight: int | None = None) -> Replay:  # fmt: skip
     """Replay the pipeline over batches; per_batch[b][k] is subgraph k's values for batch b.
 
     Consecutive batches given the same subgraph list and inputs are replayed as one group
@@ -55,7 +74,9 @@ def simulate(per_batch: list[list[SubgraphValues]], inputs: list[dict], *, onloa
             groups[-1][0] += 1
         else:
             groups.append([1, subgraphs, given])
-    return simulate_groups([tuple(g) for g in groups], onload=onload, host_limit=host_limit, passes=passes)
+    return simulate_groups(
+        [tuple(g) for g in groups], onload=onload, host_limit=host_limit, passes=passes, max_in_flight=max_in_flight
+    )
 
 
 @dataclass
@@ -65,6 +86,7 @@ class _Store:
     block: int  # the new block's number in the template
     size: int  # its bytes in the arena (aligned)
     raw: int  # its tensors' bytes (D2H)
+    tensors: int  # distinct tensors in it
     over: list[int]  # blocks emptied by storing a name again (before the new block is counted)
     after: list[int]  # blocks emptied by the deletes after it (the new one may be among them)
 
@@ -112,7 +134,7 @@ def _template(subgraphs: list[SubgraphValues], inputs: dict) -> _Template:
         for name in consumed:
             if name in where:
                 drop(name, after)
-        stores.append(_Store(ident, sizes[ident], sum(distinct.values()), over, after))
+        stores.append(_Store(ident, sizes[ident], sum(distinct.values()), len(distinct), over, after))
 
     store(inputs, ())
     for k, sg in enumerate(subgraphs):
@@ -132,7 +154,7 @@ def _template(subgraphs: list[SubgraphValues], inputs: dict) -> _Template:
 
 
 def simulate_groups(groups: list[tuple[int, list[SubgraphValues], dict]], *, onload: str, host_limit: int,
-                    passes: int = 2) -> Replay:  # fmt: skip
+                    passes: int = 2, max_in_flight: int | None = None) -> Replay:  # fmt: skip
     """Replay the pipeline over groups of alike batches, (count, subgraph values, inputs) in batch order.
 
     The same numbers as simulate_each over every batch, at a cost that does not grow with the counts:
@@ -204,7 +226,61 @@ def simulate_groups(groups: list[tuple[int, list[SubgraphValues], dict]], *, onl
         if k < subgraphs - 1:
             runs = stores(runs, k + 1)
         peaks.append(st["peak"])
-    return Replay(max(peaks), peaks, st["d2h"], st["h2d"], st["dw"], st["dr"], st["disk_peak"], st["approximate"])
+    phases = [[(count, templates[g].stores[i]) for g, (count, _, _) in enumerate(groups)
+               if count > 0 and i < len(templates[g].stores)] for i in range(len(peaks))]  # fmt: skip
+    # The newest phase each subgraph's fetch reads (a template's block k is its phase k's): the fewest of any group.
+    reads = [-1] + [min((max((b for b, _ in templates[g].fetches[k]), default=-1) for g, (count, _, _)
+                         in enumerate(groups) if count > 0), default=-1) for k in range(subgraphs)]  # fmt: skip
+    in_flight = in_flight_bounds(phases, reads, onload=onload, passes=passes, max_in_flight=max_in_flight)
+    return Replay(max(peaks), peaks, st["d2h"], st["h2d"], st["dw"], st["dr"], st["disk_peak"], st["approximate"],
+                  in_flight, max(p + f for p, f in zip(peaks, in_flight)))  # fmt: skip
+
+
+def in_flight_bounds(phases: list[list[tuple[int, _Store]]], reads: list[int], *, onload: str, passes: int,
+                     max_in_flight: int | None) -> list[int]:  # fmt: skip
+    """Per phase (the calibration set's stores, then each subgraph's; the last stores none): the most
+    that snapshots still in flight may hold beyond the replay's peak, which counts the one being stored.
+
+    `phases[p]`: (count, store) of phase p's stores in batch order, each store's snapshot its block's
+    bytes (the engine stages each group of a store's tensors in one arena block, no larger than theirs).
+    `reads[p]`: the newest phase whose block the fetch before phase p's stores reads (-1: none). A
+    fetch's wait completes that phase's store of its batch and every store before it (one copy stream,
+    in order); a snapshot completed by that wait is freed only by the engine's next reap, so it counts
+    too. With two passes the first fetches every batch before the second stores: the phases up to the
+    newest read are done; with one pass the newest read completes batch by batch alongside the stores.
+    At most max(max_in_flight, the largest store) bytes of copies, each group's snapshot rounded up to
+    ALIGN (None: no limit). A GPU model's snapshots are device memory: nothing.
+    """
+    if onload != "cpu":
+        return [0] * len(phases)
+
+    def before(stores: list[tuple[int, _Store]], b: int) -> int:  # the snapshots of a phase's batches before b
+        got = 0
+        for n, st in stores:
+            got += min(n, max(b, 0)) * st.size
+            b -= n
+        return got
+
+    totals = [sum(n * s.size for n, s in phase) for phase in phases]
+    out = []
+    done = -1  # every store of the phases up to this one has completed, and been reaped
+    for p, phase in enumerate(phases):
+        q = reads[p]
+        if passes > 1:
+            done = max(done, q)
+        partial = passes == 1 and done < q < p  # phase q completes batch by batch with phase p's stores
+        full = sum(totals[r] for r in range(done + 1, p) if not (partial and r == q))
+        batches = [n for n, _ in (phase or (phases[q] if partial else []))]
+        ends = list(itertools.accumulate(batches))
+        candidates = [b for n, e in zip(batches, ends) for b in (e - n, e - 1)] or [0]
+        held = max(full + before(phase, b) + (totals[q] - before(phases[q], b) if partial else 0) for b in candidates)
+        if max_in_flight is not None and held:
+            window = [st for r in range(done + 1, p + 1) for st in phases[r]]
+            largest = max(st.size for _, st in window)
+            held = min(held, max(max_in_flight, largest) + (ALIGN - 1) * sum(n * st.tensors for n, st in window))
+        out.append(held)
+        done = max(done, q)
+    return out
 
 
 FAST_FORWARD = 256  # sub-runs of one run before a run that alternates between memory and disk is taken at once
@@ -242,7 +318,7 @@ def _fast_forward(st: dict, g: int, count: int, moves: dict, s: _Store, staging:
 
 
 def simulate_each(per_batch: list[list[SubgraphValues]], inputs: list[dict], *, onload: str, host_limit: int,
-             passes: int = 2) -> Replay:  # fmt: skip
+             passes: int = 2, max_in_flight: int | None = None) -> Replay:  # fmt: skip
     """Replay the pipeline batch by batch; per_batch[b][k] is subgraph k's values for batch b.
 
     The reference for simulate_groups (its cost grows with the batches).
@@ -252,6 +328,9 @@ def simulate_each(per_batch: list[list[SubgraphValues]], inputs: list[dict], *, 
     where: list[dict[str, int]] = [{} for _ in range(n)]
     leaves_of: list[dict[str, list]] = [{} for _ in range(n)]
     state = {"host": 0, "disk": 0, "peak": 0, "disk_peak": 0, "d2h": 0, "h2d": 0, "dw": 0, "dr": 0, "next": 0}
+    phases: list[list[tuple[int, _Store]]] = [[]]  # every store, per phase (for in_flight_bounds)
+    reads = [-1]  # per phase, the newest phase the fetch before its stores reads (the fewest of any batch)
+    phase_of: dict[int, int] = {}
 
     def store(b: int, values: dict[str, list]) -> None:
         distinct: dict = {}
@@ -273,6 +352,8 @@ def simulate_each(per_batch: list[list[SubgraphValues]], inputs: list[dict], *, 
         state["disk" if on_disk else "host"] += block
         state["disk_peak"] = max(state["disk_peak"], state["disk"])
         state["d2h"] += sum(distinct.values())
+        phases[-1].append((1, _Store(ident, block, sum(distinct.values()), len(distinct), [], [])))
+        phase_of[ident] = len(phases) - 1
         if on_disk:
             state["dw"] += block
 
@@ -285,12 +366,14 @@ def simulate_each(per_batch: list[list[SubgraphValues]], inputs: list[dict], *, 
             blocks.pop(ident)
             state["disk" if entry[2] else "host"] -= entry[0]
 
-    def fetch(b: int, names) -> None:
+    def fetch(b: int, names) -> int:
+        newest = -1
         seen: set = set()
         for name in names:
             if name not in where[b]:
                 continue
             on_disk = blocks[where[b][name]][2]
+            newest = max(newest, phase_of[where[b][name]])
             for key, nbytes in leaves_of[b][name]:
                 if key in seen:
                     continue
@@ -298,6 +381,7 @@ def simulate_each(per_batch: list[list[SubgraphValues]], inputs: list[dict], *, 
                 state["h2d"] += nbytes
                 if on_disk:
                     state["dr"] += nbytes
+        return newest
 
     for b in range(n):
         store(b, inputs[b])
@@ -305,9 +389,9 @@ def simulate_each(per_batch: list[list[SubgraphValues]], inputs: list[dict], *, 
     subgraphs = len(per_batch[0]) if n else 0
     for k in range(subgraphs):
         state["peak"] = state["host"] + state["disk"]
-        for _ in range(passes):
-            for b in range(n):
-                fetch(b, per_batch[b][k].input_names)
+        phases.append([])
+        newest = [fetch(b, per_batch[b][k].input_names) for _ in range(passes) for b in range(n)]
+        reads.append(min(newest, default=-1))
         if k < subgraphs - 1:
             for b in range(n):
                 store(b, per_batch[b][k].outputs)
@@ -315,7 +399,9 @@ def simulate_each(per_batch: list[list[SubgraphValues]], inputs: list[dict], *, 
                     if name in where[b]:
                         _drop(b, name)
         peaks.append(state["peak"])
-    return Replay(max(peaks), peaks, state["d2h"], state["h2d"], state["dw"], state["dr"], state["disk_peak"])
+    in_flight = in_flight_bounds(phases, reads, onload=onload, passes=passes, max_in_flight=max_in_flight)
+    return Replay(max(peaks), peaks, state["d2h"], state["h2d"], state["dw"], state["dr"], state["disk_peak"],
+                  in_flight=in_flight, bound_bytes=max(p + f for p, f in zip(peaks, in_flight)))  # fmt: skip
 
 
 def formula_subgraphs(shape, batch: int, seq: int, dtype) -> list[SubgraphValues]:

@@ -9,6 +9,7 @@ import torch
 
 import offcache
 import offcache.plan as plan
+from offcache import engine as _engine
 from offcache.kv import size as kv
 from offcache.plan import sim as plan_sim
 from offcache.plan import trace as plan_trace
@@ -107,6 +108,68 @@ def test_the_peak_holds_subgraph_0s_block_and_one_layer_of_hidden_states():
     assert on_cpu.cache_peak_bytes == p.cache_peak_bytes + later.batch_bytes  # the snapshot is host memory too
     assert any("OFFCACHE_MAX_IN_FLIGHT" in a for a in on_cpu.advice)  # more snapshots may be in flight
     assert not any("OFFCACHE_MAX_IN_FLIGHT" in a for a in p.advice)
+
+
+def test_a_cpu_models_snapshots_in_flight_are_in_the_bound(engine_config):
+    # With two passes a subgraph's stores are waited for only by the next subgraph's first pass: the
+    # snapshots of all 8 batches may be in flight (the one being stored is in the cache peak already),
+    # unless OFFCACHE_MAX_IN_FLIGHT holds fewer. On a GPU the snapshot is device memory: nothing more.
+    shape = dataclasses.replace(SHAPE, layers=6)
+    engine_config(backend="host")  # OFFCACHE_MAX_IN_FLIGHT's default, 1 GiB: the run's stores bound it
+    on_cpu = plan.estimate(shape=shape, samples=8, seq_len=64, onload="cpu")
+    later = on_cpu.boundaries[2]
+    assert later.in_flight_bytes == 7 * later.batch_bytes
+    assert on_cpu.peak_bound_bytes == max(b.cache_peak_bytes + b.in_flight_bytes for b in on_cpu.boundaries)
+    assert on_cpu.in_flight_bytes == on_cpu.peak_bound_bytes - on_cpu.cache_peak_bytes > 0
+    text = plan.render(on_cpu)
+    assert f"in flight: up to {on_cpu.in_flight_bytes} bytes" in text and "OFFCACHE_MAX_IN_FLIGHT" in text
+    assert f"peak bound {on_cpu.peak_bound_bytes} bytes" in text
+    single = plan.estimate(shape=shape, samples=8, seq_len=64, onload="cpu", propagate_error=False)
+    # One pass: the previous subgraph's stores are waited for batch by batch, so those of this batch on
+    # may be in flight too (this one's freed by the engine's next reap): 8 - b of them and b of these.
+    assert single.boundaries[2].in_flight_bytes == 8 * later.batch_bytes
+    engine_config(backend="host", max_in_flight=later.batch_bytes)  # one store's copy at a time
+    bounded = plan.estimate(shape=shape, samples=8, seq_len=64, onload="cpu")
+    assert later.batch_bytes <= bounded.boundaries[2].in_flight_bytes < 2 * later.batch_bytes
+    assert bounded.cache_peak_bytes == on_cpu.cache_peak_bytes < bounded.peak_bound_bytes < on_cpu.peak_bound_bytes
+    on_gpu = plan.estimate(shape=shape, samples=8, seq_len=64)
+    assert on_gpu.in_flight_bytes == 0 and on_gpu.peak_bound_bytes == on_gpu.cache_peak_bytes
+    assert "in flight" not in plan.render(on_gpu)
+
+
+def test_the_calibration_sets_snapshots_in_flight_stay_under_the_bound(engine_config):
+    # from_dataloader stores every batch with nothing waiting for a copy: with the copy thread slowed
+    # down, every batch's snapshot may still be in the arena when the last batch is stored.
+    from offcache.activations.cache import IntermediatesCache
+
+    samples, seq = 8, 64
+    engine_config(backend="host", host_copy_delay_us=20_000)
+    batches = [{"input_ids": torch.full((1, seq), i), "attention_mask": torch.ones(1, seq, dtype=torch.long)}
+               for i in range(samples)]  # fmt: skip
+    cache = IntermediatesCache.from_dataloader(batches, torch.device("cpu"))
+    offcache.synchronize()
+    s = offcache.stats()
+    measured = s["peak_pinned_in_use_bytes"] + s["peak_pageable_bytes"]
+    del cache
+    replay = plan_sim.simulate_groups([(samples, [], plan_sim.inputs_of(1, seq))], onload="cpu", host_limit=1 << 40,
+                                      max_in_flight=_engine.settings()["max_in_flight"])  # fmt: skip
+    assert replay.peak_bytes == samples * 2 * seq * 8 + 2 * seq * 8  # the stored batches and one snapshot
+    assert replay.in_flight == [(samples - 1) * 2 * seq * 8]
+    assert measured <= replay.bound_bytes == replay.peak_bytes + replay.in_flight[0], (measured, replay)
+
+
+def test_stores_no_subgraph_reads_yet_stay_in_flight_until_one_does():
+    # With Linear targets a subgraph may read only older values (k_proj reads what q_proj read): nothing
+    # waits for the previous subgraph's stores, so all of them may be in flight through this one's.
+    sgs = plan_trace.trace(config_of("llama"), torch.float32, 1, 24, ["Linear"]).run(1, 24)
+    template = plan_sim._template(sgs, plan_sim.inputs_of(1, 24))
+    reads = [max(block for block, _ in fetched) for fetched in template.fetches]  # a template's block k: phase k
+    k = next(k for k in range(1, len(reads) - 1) if reads[k] < k)
+    grouped = plan_sim.simulate_groups([(6, sgs, plan_sim.inputs_of(1, 24))], onload="cpu", host_limit=1 << 40)
+    assert grouped.in_flight[k + 1] == 6 * template.stores[k].size + 5 * template.stores[k + 1].size
+    assert grouped.in_flight[k] == 5 * template.stores[k].size  # read by the next subgraph: only its own
+    each = plan_sim.simulate_each([sgs] * 6, [plan_sim.inputs_of(1, 24)] * 6, onload="cpu", host_limit=1 << 40)
+    assert each == grouped
 
 
 def test_the_dtype_and_the_batch_size_change_what_is_stored():
