@@ -528,7 +528,11 @@ _originals: dict[tuple[object, str], object] = {}
 
 def _cls_from_device(cls, device=None):
     chosen = _originals[(OffloadCache, "cls_from_device")].__func__(cls, device)
-    # Non-distributed only: distributed runs get DistributedCPUCache / DistributedDiskCache.
+    if chosen.__name__ == "DistributedCPUCache":  # one region per node (offcache/weights_node.py)
+        from offcache import weights_node
+
+        return weights_node.cache_class()
+    # DistributedDiskCache stays compressed-tensors'.
     return {CPUCache: OffcacheCPUCache, DiskCache: OffcacheDiskCache}.get(chosen, chosen)
 
 

@@ -1,0 +1,230 @@
+"""Worker processes for tests/test_weights_node*.py: a real gloo group on localhost.
+
+``Group(n)`` spawns n processes that join one process group; ``group.call(fn, *args)`` runs the
+function ``fn`` of this module on every rank (each gets its rank's args from ``per_rank`` when
+given) and returns their results, rank by rank; an exception on any rank is raised here with
+its traceback. Each worker holds, per module slot, offcache's NodeSharedCPUCache and
+compressed-tensors' DistributedCPUCache built from the same tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import traceback
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8, "float16": torch.float16}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _main(rank: int, world: int, port: int, conn, env: dict, setup: str | None) -> None:
+    os.environ.update(env)
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    if setup:
+        globals()[setup]()
+    conn.send(("ready", os.getpid()))
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        fn, args = msg
+        try:
+            conn.send(("ok", globals()[fn](*args)))
+        except BaseException as exc:  # noqa: BLE001
+            conn.send(("err", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class WorkerError(RuntimeError):
+    pass
+
+
+class Group:
+    def __init__(self, world: int = 2, env: list[dict] | None = None, setup: str | None = None, timeout: float = 60):
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self.timeout = timeout
+        self.conns, self.procs = [], []
+        for rank in range(world):
+            parent, child = ctx.Pipe()
+            e = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)}
+            e.update((env or [{}] * world)[rank])
+            p = ctx.Process(target=_main, args=(rank, world, port, child, e, setup), daemon=True)
+            p.start()
+            self.conns.append(parent)
+            self.procs.append(p)
+        self.pids = [self._recv(rank)[1] for rank in range(world)]
+
+    def _recv(self, rank: int):
+        if not self.conns[rank].poll(self.timeout):
+            self.close(force=True)
+            raise TimeoutError(f"rank {rank} did not answer in {self.timeout} s")
+        return self.conns[rank].recv()
+
+    def call(self, fn: str, *args, per_rank: list[tuple] | None = None) -> list[Any]:
+        for rank, conn in enumerate(self.conns):
+            conn.send((fn, per_rank[rank] if per_rank is not None else args))
+        results = [self._recv(rank) for rank in range(len(self.conns))]
+        errors = [(rank, r) for rank, r in enumerate(results) if r[0] == "err"]
+        if errors:
+            raise WorkerError("\n".join(f"rank {rank}: {r[1]}\n{r[2]}" for rank, r in errors))
+        return [r[1] for r in results]
+
+    def close(self, force: bool = False) -> None:
+        for conn, p in zip(self.conns, self.procs):
+            if not force and p.is_alive():
+                try:
+                    conn.send(None)
+                except OSError:
+                    pass
+        for p in self.procs:
+            p.join(5 if not force else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+# --- functions run on the workers ----------------------------------------------------------------
+
+_S: dict[str, Any] = {}
+
+
+def setup_node() -> None:
+    from offcache import weights_node
+
+    weights_node.reset()
+    assert weights_node.cache_class() is weights_node.NodeSharedCPUCache, weights_node.stats()
+
+
+def reset() -> None:
+    _S.clear()
+
+
+def rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
+
+def make(shape, dtype: str, seed: int, param: bool = False) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    t = (torch.randn(tuple(shape), generator=g) * 8).to(DTYPES[dtype])
+    return torch.nn.Parameter(t, requires_grad=False) if param else t
+
+
+def _mapping(spec, meta: bool) -> dict:
+    out: dict = {}
+    for name, shape, dtype, seed, param, tie in spec:
+        if tie is not None and tie in out:
+            out[name] = out[tie]
+        elif meta:
+            t = torch.empty(tuple(shape), dtype=DTYPES[dtype], device="meta")
+            out[name] = torch.nn.Parameter(t, requires_grad=False) if param else t
+        else:
+            out[name] = make(shape, dtype, seed, param)
+    return out
+
+
+def offload(mod: str, spec, meta_elsewhere: bool) -> None:
+    """Both classes' from_mapping of the same tensors; ranks other than the source hold meta ones
+    when `meta_elsewhere` (as a model loaded on the source rank only)."""
+    from compressed_tensors.distributed import is_source_process
+    from compressed_tensors.offload.cache import DistributedCPUCache
+
+    from offcache.weights_node import NodeSharedCPUCache
+
+    meta = meta_elsewhere and not is_source_process()
+    ours = NodeSharedCPUCache.from_mapping(_mapping(spec, meta), "cpu")
+    theirs = DistributedCPUCache.from_mapping(_mapping(spec, meta), "cpu")
+    _S[mod] = (ours, theirs)
+
+
+def set_all(mod: str, name: str, shape, dtype: str, seed: int, param: bool) -> None:
+    """Every rank assigns the same value (collective where it offloads: a new name or shape)."""
+    for cache in _S[mod]:
+        cache[name] = make(shape, dtype, seed, param)
+
+
+def update_one(mod: str, name: str, seed: int, writer: int) -> None:
+    """Rank `writer` alone assigns a value of the offloaded shape and dtype; then a barrier."""
+    import torch.distributed as dist
+
+    for cache in _S[mod]:
+        with_none = cache.offloaded_values.get(name)
+        if dist.get_rank() == writer and with_none is not None:
+            cache[name] = make(with_none.shape, str(with_none.dtype).removeprefix("torch."), seed)
+    dist.barrier()
+
+
+def delete(mod: str, name: str) -> None:
+    for cache in _S[mod]:
+        del cache[name]
+
+
+def set_disabled(mod: str, name: str, shape, dtype: str, seed: int) -> None:
+    """Under disable_onloading(): a local tensor assigned as it is (every rank the same)."""
+    from compressed_tensors.offload import disable_onloading
+
+    with disable_onloading():
+        for cache in _S[mod]:
+            cache[name] = make(shape, dtype, seed)
+
+
+def _describe(t):
+    if t is None:
+        return None
+    raw = t.detach().contiguous().view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+    return (type(t).__name__, str(t.dtype), tuple(t.shape), hashlib.sha1(raw.numpy().tobytes()).hexdigest())
+
+
+def snapshot(mod: str, onloading: bool, offloading: bool = False) -> list:
+    """What each class hands out, name by name, and which names give the same object (tied)."""
+    from compressed_tensors.offload import disable_offloading, disable_onloading
+
+    out = []
+    for cache in _S[mod]:
+        ctx = disable_onloading() if not onloading else (disable_offloading() if offloading else _null())
+        with ctx:
+            values = {name: cache[name] for name in sorted(cache, key=str)}
+            again = {name: cache[name] for name in sorted(cache, key=str)}
+        names = list(values)
+        pairs = [(a, b) for i, a in enumerate(names) for b in names[i + 1 :]]
+        ties = sorted((a, b) for a, b in pairs if values[a] is not None and values[a] is values[b])
+        same_again = sorted(n for n in names if values[n] is again[n])
+        out.append(({n: _describe(v) for n, v in values.items()}, ties, same_again))
+    return out
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def dev_shm() -> list[str]:
+    return sorted(os.listdir("/dev/shm"))
+
+
+def node_stats() -> dict:
+    from offcache import weights_node
+
+    return weights_node.stats()
+
+
+def debug_ptrs(mod: str) -> list:
+    return [{n: (v.data_ptr(), v.untyped_storage().data_ptr()) for n, v in c.offloaded_values.items()} for c in _S[mod]]
