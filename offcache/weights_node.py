@@ -219,6 +219,7 @@ class _Node:
 _node: _Node | None = None
 _decided: str | None = None  # None: not yet; "node": NodeSharedCPUCache; "fallback": upstream's
 _fallback_reason = ""
+_world: Any = None  # the process group the decision was made in
 
 
 def _setup() -> str:
@@ -266,7 +267,10 @@ def _setup() -> str:
 def cache_class() -> type:
     """The class for distributed CPU offload: NodeSharedCPUCache, or compressed-tensors' own where the
     region cannot be set up (one warning says why). Decided once, by every rank together."""
-    global _decided, _fallback_reason
+    global _decided, _fallback_reason, _world
+    if _world is not dist.group.WORLD:  # a new process group (the old one destroyed): decide again
+        reset()
+        _world = dist.group.WORLD
     if _decided is None:
         reason = _setup()
         _decided = "fallback" if reason else "node"

@@ -228,3 +228,124 @@ def node_stats() -> dict:
 
 def debug_ptrs(mod: str) -> list:
     return [{n: (v.data_ptr(), v.untyped_storage().data_ptr()) for n, v in c.offloaded_values.items()} for c in _S[mod]]
+
+
+def offload_ours(mod: str, spec, meta_elsewhere: bool) -> None:
+    """offcache's class only (a spec per rank may differ: the disagreement tests)."""
+    from compressed_tensors.distributed import is_source_process
+
+    from offcache.weights_node import NodeSharedCPUCache
+
+    _S[mod] = (NodeSharedCPUCache.from_mapping(_mapping(spec, meta_elsewhere and not is_source_process()), "cpu"),)
+
+
+def ours_values(mod: str) -> dict:
+    cache = _S[mod][0]
+    names = sorted(cache, key=str)
+    values = {n: cache[n] for n in names}
+    return {
+        "values": {n: _describe(v) for n, v in values.items()},
+        "ties": sorted((a, b) for a in names for b in names if a < b and values[a] is values[b]),
+    }
+
+
+def count_collectives(cls_name: str, n: int) -> dict:
+    """Collective calls (by torch.distributed function) to offload one module of `n` tensors."""
+    import torch.distributed as dist
+    from compressed_tensors.offload.cache import DistributedCPUCache
+
+    from offcache.weights_node import NodeSharedCPUCache
+
+    cls = {"ours": NodeSharedCPUCache, "theirs": DistributedCPUCache}[cls_name]
+    names = ["broadcast_object_list", "all_gather_object", "barrier", "broadcast", "all_gather", "all_reduce"]
+    counts = dict.fromkeys(names, 0)
+    saved = {name: getattr(dist, name) for name in names}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return saved[name](*args, **kwargs)
+
+        return call
+
+    for name in names:
+        setattr(dist, name, counting(name))
+    try:
+        mapping = {f"t{i}": make((8, 8), "float32", i) for i in range(n)}
+        cls.from_mapping(mapping, "cpu")
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+    return {k: v for k, v in counts.items() if v}
+
+
+def fallback(drop_memfd: bool) -> dict:
+    """cache_class() decided anew with os.memfd_create missing on this rank when `drop_memfd`."""
+    import warnings
+
+    from offcache import weights_node
+
+    saved = os.memfd_create
+    weights_node.reset()
+    if drop_memfd:
+        del os.memfd_create
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cls = weights_node.cache_class()
+    finally:
+        os.memfd_create = saved
+    weights_node.reset()
+    setup_node()
+    return {"class": cls.__name__, "warnings": [f"{w.category.__name__}: {w.message}" for w in caught]}
+
+
+def region_fds() -> list[str]:
+    """This process's open memfd files (their /proc/self/fd link targets)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/memfd:"):
+            out.append(target)
+    return sorted(set(out))
+
+
+def region_inode() -> int:
+    from offcache import weights_node
+
+    return os.fstat(weights_node._node.region.fd).st_ino
+
+
+def set_limit(limit: int) -> int:
+    from offcache import weights_node
+
+    region = weights_node._node.region
+    old, region.limit = region.limit, limit
+    return old
+
+
+def patched_classes() -> dict:
+    """cls_from_device('cpu') patched and unpatched, and a module offloaded while patched."""
+    from compressed_tensors.offload import offload_module
+    from compressed_tensors.offload.cache import OffloadCache
+
+    import offcache
+
+    offcache.patch_llmcompressor(weights=True)
+    try:
+        patched = OffloadCache.cls_from_device("cpu").__name__
+        linear = torch.nn.Linear(4, 3)
+        offload_module(linear, "cpu", "cpu")
+        module_cache = type(linear._parameters).__name__
+        out = linear(torch.ones(2, 4))
+    finally:
+        offcache.unpatch_llmcompressor()
+    return {
+        "patched": patched,
+        "module": module_cache,
+        "forward": tuple(out.shape),
+        "unpatched": OffloadCache.cls_from_device("cpu").__name__,
+    }
