@@ -159,3 +159,8 @@ def test_patch_llmcompressor_weights_switches_the_distributed_cpu_cache(group):
             "forward": (2, 3),
             "unpatched": "DistributedCPUCache",
         }
+
+
+def test_compressed_tensors_own_distributed_checks_pass_on_both_classes(group):
+    assert group.call("upstream_scenarios", "theirs") == [[], []]
+    assert group.call("upstream_scenarios", "ours") == [[], []]

@@ -349,3 +349,75 @@ def patched_classes() -> dict:
         "forward": tuple(out.shape),
         "unpatched": OffloadCache.cls_from_device("cpu").__name__,
     }
+
+
+def upstream_scenarios(cls_name: str) -> list[str]:
+    """compressed-tensors' own distributed CPU cache checks (its tests/test_offload/cache/test_dist_cpu.py,
+    with the CPU as the onload device), run on `cls_name`; returns the ones that fail."""
+    import gc
+    from weakref import ref
+
+    import torch.distributed as dist
+    from compressed_tensors.offload import disable_offloading, disable_onloading
+    from compressed_tensors.offload.cache import DistributedCPUCache
+
+    from offcache.weights_node import NodeSharedCPUCache
+
+    cls = {"ours": NodeSharedCPUCache, "theirs": DistributedCPUCache}[cls_name]
+    rank = dist.get_rank()
+    failed = []
+
+    def check(name, ok):
+        if not ok:
+            failed.append(name)
+
+    # each rank updates its own tensor; after a barrier every rank sees both updates
+    cache = cls("cpu")
+    cache["t0"], cache["t1"] = torch.zeros(10), torch.zeros(10)
+    cache[f"t{rank}"] = torch.full((10,), float(rank + 1))
+    dist.barrier()
+    check("async update", torch.equal(cache["t0"], torch.ones(10)) and torch.equal(cache["t1"], torch.full((10,), 2.0)))
+    with disable_onloading():
+        check("async update, offloaded", torch.equal(cache["t1"], torch.full((10,), 2.0)))
+
+    # an edit of the offloaded tensor itself (under disable_onloading) by rank 0 reaches rank 1
+    cache = cls("cpu")
+    cache["t"] = torch.zeros(5, 2)
+    if rank == 0:
+        with disable_onloading():
+            cache["t"].copy_(torch.ones(5, 2))
+    dist.barrier()
+    check("edit of the offloaded tensor", torch.equal(cache["t"], torch.ones(5, 2)))
+    dist.barrier()  # every rank has read before any writes again
+
+    # replacement by a value of the same shape, then of another shape
+    cache["t"] = torch.full((5, 2), 3.0)
+    check("replace, same shape", torch.equal(cache["t"], torch.full((5, 2), 3.0)))
+    cache["t"] = torch.full((7,), 4.0)
+    check("replace, new shape", torch.equal(cache["t"], torch.full((7,), 4.0)))
+
+    # tensor subclasses keep their class, onloaded and offloaded
+    cache = cls("cpu")
+    values = {
+        "tensor": torch.ones(10),
+        "param": torch.nn.Parameter(torch.ones(10), requires_grad=False),
+        "buffer": torch.nn.Buffer(torch.ones(10)),
+    }
+    for name, value in values.items():
+        cache[name] = value
+    for name, value in values.items():
+        check(f"subclass {name}", type(cache[name]) is type(value) and torch.equal(cache[name], value))
+        with disable_onloading():
+            check(f"subclass {name}, offloaded", type(cache[name]) is type(value))
+
+    # disable_offloading keeps the onloaded value until the context ends; deletes drop it
+    cache = cls("cpu")
+    cache["w"] = torch.ones(10)
+    with disable_offloading():
+        inside = ref(cache["w"])
+        check("disable_offloading keeps", inside() is not None and cache["w"] is inside())
+        del cache["w"]
+        gc.collect()
+        check("delete", "w" not in cache)
+    check("shared attributes", cache.keep_onloaded_values is cls.keep_onloaded_values)
+    return failed
