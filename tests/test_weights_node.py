@@ -164,3 +164,11 @@ def test_patch_llmcompressor_weights_switches_the_distributed_cpu_cache(group):
 def test_compressed_tensors_own_distributed_checks_pass_on_both_classes(group):
     assert group.call("upstream_scenarios", "theirs") == [[], []]
     assert group.call("upstream_scenarios", "ours") == [[], []]
+
+
+def test_a_weight_tied_across_modules_is_stored_once_and_updates_through_either(group):
+    results = group.call("tie_across_modules")
+    for rank, result in enumerate(results):
+        assert result["grew"] == 0, result  # the second module's offload found it in the region
+        assert result["same_object"], result
+        assert result["embed"] == result["head"] == results[0]["head"], (rank, result)

@@ -421,3 +421,31 @@ def upstream_scenarios(cls_name: str) -> list[str]:
         check("delete", "w" not in cache)
     check("shared attributes", cache.keep_onloaded_values is cls.keep_onloaded_values)
     return failed
+
+
+def tie_across_modules() -> dict:
+    """A weight tied between two modules (embeddings and lm_head), offloaded one module at a time;
+    the other rank holds meta tensors. Then rank 1 updates it through the second module."""
+    import torch.distributed as dist
+    from compressed_tensors.distributed import is_source_process
+
+    from offcache import weights_node
+    from offcache.weights_node import NodeSharedCPUCache
+
+    if is_source_process():
+        weight = make((64, 64), "float32", 3, param=True)
+    else:
+        weight = torch.nn.Parameter(torch.empty(64, 64, device="meta"), requires_grad=False)
+    embed = NodeSharedCPUCache.from_mapping({"weight": weight}, "cpu")
+    used = weights_node.stats()["used_bytes"]
+    head = NodeSharedCPUCache.from_mapping({"weight": embed.offloaded_values["weight"]}, "cpu")
+    grew = weights_node.stats()["used_bytes"] - used
+    if dist.get_rank() == 1:
+        head["weight"] = make((64, 64), "float32", 4)
+    dist.barrier()
+    return {
+        "same_object": head.offloaded_values["weight"] is embed.offloaded_values["weight"],
+        "grew": grew,
+        "embed": _describe(embed["weight"]),
+        "head": _describe(head["weight"]),
+    }
