@@ -57,5 +57,6 @@ if [ -d .venv-ct-newest ]; then
   stage "pytest weights (compressed-tensors overlay $(ls -d .venv-ct-newest/compressed_tensors-*.dist-info | sed 's/.*tensors-//; s/.dist-info//'))" \
     env PYTHONPATH=.venv-ct-newest .venv/bin/python -m pytest -p no:cacheprovider -q \
     tests/test_weights.py tests/test_weights_properties.py tests/test_weights_staging.py \
-    tests/test_ct_drift.py tests/test_file_disk_cache.py tests/test_weights_oneshot.py
+    tests/test_ct_drift.py tests/test_file_disk_cache.py tests/test_weights_oneshot.py \
+    tests/test_weights_node.py tests/test_weights_node_properties.py
 fi

@@ -172,3 +172,9 @@ def test_a_weight_tied_across_modules_is_stored_once_and_updates_through_either(
         assert result["grew"] == 0, result  # the second module's offload found it in the region
         assert result["same_object"], result
         assert result["embed"] == result["head"] == results[0]["head"], (rank, result)
+
+
+def test_inside_compressed_tensors_batch_offload_sync(group):
+    pytest.importorskip("compressed_tensors.offload.cache.dist_batch")  # compressed-tensors 0.20
+    results = group.call("inside_batch_offload_sync")
+    assert results[0] == results[1] and set(results[0]) == {"m0", "m1"}

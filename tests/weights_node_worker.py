@@ -449,3 +449,20 @@ def tie_across_modules() -> dict:
         "embed": _describe(embed["weight"]),
         "head": _describe(head["weight"]),
     }
+
+
+def inside_batch_offload_sync() -> dict:
+    """compressed-tensors 0.20's dispatch offloads a whole model inside batch_offload_sync: offcache's
+    class does its own exchange per module there (and the batch completes with nothing of ours)."""
+    from compressed_tensors.distributed import is_source_process
+    from compressed_tensors.offload.cache.dist_batch import batch_offload_sync
+
+    from offcache.weights_node import NodeSharedCPUCache
+
+    caches = []
+    with batch_offload_sync() as batch:
+        for i in range(2):
+            batch.module_name = f"m{i}"
+            spec = [("weight", (4, 5), "float32", i, True, None), ("bias", (5,), "float32", 10 + i, False, None)]
+            caches.append(NodeSharedCPUCache.from_mapping(_mapping(spec, not is_source_process()), "cpu"))
+    return {f"m{i}": {n: _describe(c[n]) for n in sorted(c)} for i, c in enumerate(caches)}
