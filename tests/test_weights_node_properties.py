@@ -9,7 +9,7 @@ ranks. Every read must agree between the classes (values, dtypes, tensor types, 
 context hands out the same object again), and offcache's must agree between the ranks, with the
 values the test expects.
 
-Tied weights are not drawn here: compressed-tensors' class maps the shared file once per name on
+Tied weights are not drawn here: compressed-tensors 0.19's class maps the shared file once per name on
 the other ranks, so there a tied pair are two tensors and an update through one is not seen
 through the other (test_weights_node.py checks offcache's tie on every rank).
 """
