@@ -178,3 +178,7 @@ def test_inside_compressed_tensors_batch_offload_sync(group):
     pytest.importorskip("compressed_tensors.offload.cache.dist_batch")  # compressed-tensors 0.20
     results = group.call("inside_batch_offload_sync")
     assert results[0] == results[1] and set(results[0]) == {"m0", "m1"}
+
+
+def test_grad_parameters_empty_bool_float8_and_strided_tensors(group):
+    assert group.call("edge_cases") == [[], []]

@@ -466,3 +466,33 @@ def inside_batch_offload_sync() -> dict:
             spec = [("weight", (4, 5), "float32", i, True, None), ("bias", (5,), "float32", 10 + i, False, None)]
             caches.append(NodeSharedCPUCache.from_mapping(_mapping(spec, not is_source_process()), "cpu"))
     return {f"m{i}": {n: _describe(c[n]) for n in sorted(c)} for i, c in enumerate(caches)}
+
+
+def edge_cases() -> list[str]:
+    """Tensors an offload meets besides plain ones: grad-requiring parameters, empty tensors, bool and
+    float8 dtypes, a non-contiguous view; the other rank holds meta tensors. Returns what differs."""
+    from compressed_tensors.distributed import is_source_process
+
+    from offcache.weights_node import NodeSharedCPUCache
+
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    values = {
+        "grad": torch.nn.Parameter(torch.ones(3, 3)),
+        "empty": torch.empty(0, 4),
+        "bool": torch.tensor([True, False, True]),
+        "fp8": torch.linspace(-2, 2, 8).to(torch.float8_e4m3fn),
+        "strided": base.t(),
+    }
+    mapping = values if is_source_process() else {n: v.to("meta") for n, v in values.items()}
+    if not is_source_process():
+        mapping["grad"] = torch.nn.Parameter(torch.empty(3, 3, device="meta"))
+    cache = NodeSharedCPUCache.from_mapping(mapping, "cpu")
+    bad = []
+    for name, want in values.items():
+        got = cache[name]
+        same = type(got) is type(want) and got.dtype == want.dtype and got.shape == want.shape
+        if not same or not torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8)):
+            bad.append(name)
+        if got.requires_grad != want.requires_grad:
+            bad.append(f"{name}: requires_grad")
+    return bad
