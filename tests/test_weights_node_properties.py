@@ -99,6 +99,18 @@ class NodeMachine(RuleBasedStateMachine):
         else:
             self.expected[mod][name] = (shape, dtype, None, shared)
 
+    @rule(data=st.data(), source=st.sampled_from([0, 1]))
+    def recouple(self, data, source):
+        """replace_module_parallel's last step: `source` (either rank) holds the module, the other
+        rank meta tensors; every value is offloaded again from `source`."""
+        if not self.expected:
+            return
+        mod = data.draw(st.sampled_from(sorted(self.expected)))
+        self.group.call("recouple", mod, source)
+        for name, (shape, dtype, want, shared) in self.expected[mod].items():
+            # a local value (assigned under disable_onloading) is the source rank's now, everywhere
+            self.expected[mod][name] = (shape, dtype, want if shared else None, True)
+
     @rule(data=st.data())
     def delete(self, data):
         if not self.expected:

@@ -496,3 +496,19 @@ def edge_cases() -> list[str]:
         if got.requires_grad != want.requires_grad:
             bad.append(f"{name}: requires_grad")
     return bad
+
+
+def recouple(mod: str, source: int) -> None:
+    """compressed-tensors' replace_module_parallel, step 4: rank `source` processed the module, the
+    others hold meta tensors; each offloaded value is offloaded again with `source` as the source."""
+    import torch.distributed as dist
+    from compressed_tensors.distributed import set_source_process
+    from compressed_tensors.offload import disable_onloading
+    from compressed_tensors.offload.utils import send_tensors
+
+    for cache in _S[mod]:
+        with disable_onloading():
+            if dist.get_rank() != source:
+                cache.offloaded_values = {n: send_tensors(v, device="meta") for n, v in cache.offloaded_values.items()}
+            with set_source_process(source):
+                cache.offloaded_values = {n: cache.offload(v) for n, v in cache.offloaded_values.items()}
