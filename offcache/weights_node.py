@@ -122,6 +122,7 @@ class NodeRegion:
         self.limit = limit
         self._starts: list[int] = []  # sorted span starts (file offsets) mapped in this process
         self._spans: dict[int, tuple[int, mmap.mmap, torch.Tensor]] = {}  # start -> (length, map, bytes)
+        self._addrs: list[tuple[int, int]] = []  # sorted (address where a span is mapped, its start)
 
     @classmethod
     def create(cls, name: str, limit: int) -> NodeRegion:
@@ -172,8 +173,10 @@ class NodeRegion:
         if start not in self._spans:
             length = _round(nbytes, _PAGE)
             mapped = mmap.mmap(self.fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
-            self._spans[start] = (length, mapped, torch.frombuffer(mapped, dtype=torch.uint8))
+            data = torch.frombuffer(mapped, dtype=torch.uint8)
+            self._spans[start] = (length, mapped, data)
             bisect.insort(self._starts, start)
+            bisect.insort(self._addrs, (data.data_ptr(), start))
         return self._spans[start][2]
 
     def storage(self, offset: int) -> tuple[torch.UntypedStorage, int]:
@@ -187,16 +190,18 @@ class NodeRegion:
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
             return None
         ptr = tensor.data_ptr()
-        for start in self._starts:  # few spans per process are searched: most recent last
-            length, _, data = self._spans[start]
-            base = data.data_ptr()
-            if base <= ptr and ptr + tensor.nbytes <= base + length:
-                return start + (ptr - base)
+        i = bisect.bisect_right(self._addrs, (ptr, float("inf"))) - 1
+        if i < 0:
+            return None
+        base, start = self._addrs[i]
+        if ptr + tensor.nbytes <= base + self._spans[start][0]:
+            return start + (ptr - base)
         return None
 
     def close(self) -> None:
         self._spans.clear()
         self._starts.clear()
+        self._addrs.clear()
         os.close(self.fd)
 
 
