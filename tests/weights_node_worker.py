@@ -293,6 +293,7 @@ def fallback(drop_memfd: bool) -> dict:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             cls = weights_node.cache_class()
+            assert weights_node.cache_class() is cls  # decided once: no second warning either
     finally:
         os.memfd_create = saved
     weights_node.reset()
