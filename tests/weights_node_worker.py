@@ -279,16 +279,23 @@ def count_collectives(cls_name: str, n: int) -> dict:
     return {k: v for k, v in counts.items() if v}
 
 
-def fallback(drop_memfd: bool) -> dict:
-    """cache_class() decided anew with os.memfd_create missing on this rank when `drop_memfd`."""
+def fallback(drop: str) -> dict:
+    """cache_class() decided anew with, on this rank, os.memfd_create missing (`drop` "memfd") or the
+    /proc hand-over refused ("proc"; rank 0 creates the region, so only the other ranks open it)."""
     import warnings
 
     from offcache import weights_node
 
-    saved = os.memfd_create
+    saved, saved_open = os.memfd_create, weights_node.NodeRegion.open
+
+    def refused(*args, **kwargs):
+        raise PermissionError(1, "Operation not permitted", "/proc/<pid>/fd/<n>")
+
     weights_node.reset()
-    if drop_memfd:
+    if drop == "memfd":
         del os.memfd_create
+    elif drop == "proc":
+        weights_node.NodeRegion.open = classmethod(lambda cls, *a: refused())
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -296,6 +303,7 @@ def fallback(drop_memfd: bool) -> dict:
             assert weights_node.cache_class() is cls  # decided once: no second warning either
     finally:
         os.memfd_create = saved
+        weights_node.NodeRegion.open = saved_open
     weights_node.reset()
     setup_node()
     return {"class": cls.__name__, "warnings": [f"{w.category.__name__}: {w.message}" for w in caught]}
