@@ -5,8 +5,9 @@
 - ``OffloadCache.cls_from_device`` returns ``OffcacheCPUCache`` for a non-distributed
   ``"cpu"`` offload and ``OffcacheDiskCache`` for ``"disk"`` (the classes ``offload_module``
   builds every module's cache from).
-  Distributed runs keep compressed-tensors' classes: they share one copy of the weights
-  per node through /dev/shm, where a per-rank arena would pin one copy per rank.
+  Distributed runs get ``NodeSharedCPUCache`` (offcache/weights/node.py) for ``"cpu"`` (one
+  shared region per node, where a per-rank arena would hold one copy per rank) and keep
+  compressed-tensors' ``DistributedDiskCache`` for ``"disk"``.
 - ``OffcacheCPUCache`` is compressed-tensors' ``CPUCache`` with its three device moves on
   the engine: ``offload`` snapshots into the pinned arena (and waits: the result is
   readable on return, as CPUCache's), ``onload`` is an engine fetch
@@ -201,7 +202,11 @@ _originals: dict[tuple[object, str], object] = {}
 
 def _cls_from_device(cls, device=None):
     chosen = _originals[(OffloadCache, "cls_from_device")].__func__(cls, device)
-    # Non-distributed only: distributed runs get DistributedCPUCache / DistributedDiskCache.
+    if chosen.__name__ == "DistributedCPUCache":  # one region per node (offcache/weights/node.py)
+        from offcache.weights import node
+
+        return node.cache_class()
+    # DistributedDiskCache stays compressed-tensors'.
     return {CPUCache: OffcacheCPUCache, DiskCache: OffcacheDiskCache}.get(chosen, chosen)
 
 
