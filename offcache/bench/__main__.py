@@ -206,11 +206,17 @@ def summary(r: dict, names=SECTIONS) -> str:
             "small (us per tensor): "
             + " | ".join(f"{x['impl']} {x['direction']} {x['us_per_tensor']:.2f}" for x in small)
         )
-        batch = [x for x in r["small"] if "us_per_batch" in x]
+        batch = [x for x in r["small"] if x.get("direction") == "fetch_batch_of_5"]
         lines.append(
             "fetch of a 5-tensor batch (us): "
             + " | ".join(f"{x['impl']} (offload {x['offload_device']}) {x['us_per_batch']:.1f}" for x in batch)
         )
+        update = [x for x in r["small"] if x.get("direction") == "update_batch_of_5"]
+        if update:
+            lines.append(
+                "update of a 5-tensor batch, host CPU (us, all threads): "
+                + " | ".join(f"{x['impl']} {x['cpu_us_per_batch']:.1f}" for x in update)
+            )
     if "pipeline" in names and r.get("pipeline"):
         lines.append("pipeline wall time (s):")
         for x in r["pipeline"]:

@@ -278,4 +278,33 @@ def run_bookkeeping(ctx: Context) -> list[dict]:
                 "impl": impl, "direction": "fetch_batch_of_5", "offload_device": str(offload),
                 "us_per_batch": median(secs) / n * 1e6, "spread": spread(secs),
             })  # fmt: skip
+    rows += update_host_work(ctx, caches, values, n)
+    return rows
+
+
+def update_host_work(ctx: Context, caches: dict, values, n: int) -> list[dict]:
+    """Host CPU time per ``update()`` of a new 5-tensor batch (process time: every thread, the engine's
+    copy threads too), each cache storing to the CPU; the engine's disk folder in the state a new user's
+    run has (``disk_folder_pending``: not made yet, so every store checks whether it is needed)."""
+    from offcache.engine import disk_dir
+
+    rows = []
+    for impl, cls in caches.items():
+        cpu, wall = [], []
+        for _ in range(3 if ctx.tiny else 5):
+            batches = [values() for _ in range(n)]  # new tensors per batch, as a pipeline makes them
+            cache = cls.empty(n, "cpu")
+            ctx.sync()
+            c0, w0 = time.process_time(), time.perf_counter()
+            for i, v in enumerate(batches):
+                cache.update(i, v)
+            ctx.sync()
+            cpu.append(time.process_time() - c0)
+            wall.append(time.perf_counter() - w0)
+            del cache, batches
+        rows.append({
+            "impl": impl, "direction": "update_batch_of_5", "offload_device": "cpu",
+            "us_per_batch": median(wall) / n * 1e6, "cpu_us_per_batch": median(cpu) / n * 1e6,
+            "spread": spread(cpu), "disk_folder_pending": disk_dir.pending(),
+        })  # fmt: skip
     return rows

@@ -62,6 +62,10 @@ def test_all_tiny_from_the_checkout_root_writes_results_and_plots(tmp_path):
     assert "offcache.bench" in proc.stdout and "kv decode" in proc.stdout
     bookkeeping = [r for r in results["small"] if r.get("direction") == "fetch_batch_of_5"]
     assert {r["impl"] for r in bookkeeping} >= {"offcache"} and all(r["us_per_batch"] > 0 for r in bookkeeping)
+    updates = {r["impl"]: r for r in results["small"] if r.get("direction") == "update_batch_of_5"}
+    assert "offcache" in updates and all(r["cpu_us_per_batch"] > 0 for r in updates.values())
+    assert all(isinstance(r["disk_folder_pending"], bool) for r in updates.values())
+    assert "update of a 5-tensor batch, host CPU" in proc.stdout
     rows = {r["impl"]: r for r in results["kv"] if r["case"] == "short"}
     assert {"dynamic", "transformers_offloaded", "offcache"} <= set(rows)
     assert rows["offcache"]["completed"] and rows["offcache"]["equal_to_dynamic"] is True
