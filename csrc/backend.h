@@ -140,7 +140,8 @@ class Backend {
   }
   // Whether small outputs for `consumer` may share one allocation (a span copy,
   // each output a storage inside it): only where the allocator ignores memory it
-  // did not allocate, so that Tensor.record_stream on such an output stays legal.
+  // did not allocate, so that Tensor.record_stream on such an output stays legal
+  // (a no-op there: offcache.record_stream records the span).
   virtual bool packs_outputs(c10::Device /*consumer*/) const { return true; }
   // Lets `from`'s copy engine read and write `to`'s memory directly.
   virtual void enable_peer_access(c10::Device from, c10::Device to) = 0;

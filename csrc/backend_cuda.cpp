@@ -119,11 +119,9 @@ class CudaEvent final : public Event {
       // A captured graph cannot wait on an event recorded outside its capture (the wait
       // would invalidate it). A copy already complete needs no wait: the graph's kernels
       // read finished outputs. One still in flight is refused, saying what to do instead.
-      bool done = false;
-      try {
-        done = query();
-      } catch (const EventUnknown&) {  // a query refused by the capture: not known done
-      }
+      // Relaxed mode (query()) lets this thread query during its own capture; an event recorded
+      // inside a capture cannot reach here (a fetch onto a capturing stream is refused).
+      const bool done = query();
       TORCH_CHECK(done, "offcache: Ticket.wait() during a CUDA graph capture on cuda:", device,
                   ": the copy it waits for is still in flight, and a captured graph cannot wait "
                   "on an event recorded outside the capture. Wait before the capture begins "
@@ -167,6 +165,12 @@ class CudaHandoff final : public Handoff {
     const c10::cuda::CUDAStream now =
         c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device));
     if (now == handed_) return;  // recorded at the fetch already
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    OFFCACHE_CUDA_CHECK(cudaStreamIsCapturing(now.stream(), &capture));
+    // A wait in a capture queued nothing (the copies had completed: CudaEvent::wait_current), so
+    // there is no later use on `now` to keep the outputs for; recording the capture stream would
+    // only put memory from outside the capture into the allocator's capture bookkeeping.
+    if (capture != cudaStreamCaptureStatusNone) return;
     for (const auto& weak : storages_) {
       if (c10::intrusive_ptr<c10::StorageImpl> s = weak.lock())
         c10::cuda::CUDACachingAllocator::recordStream(s->data_ptr(), now);
@@ -522,9 +526,9 @@ class CudaBackend : public Backend {
   }
 
   bool packs_outputs(c10::Device consumer) const override {
-    // The native caching allocator ignores a pointer it did not allocate in recordStream;
-    // cudaMallocAsync (and a pluggable allocator) asserts on it, and a packed output is
-    // one (issue 32 item 3): there every output is an allocation of its own.
+    // recordStream on a pointer the allocator did not make, as a packed output is (issue 32
+    // item 3): the native caching allocator ignores it, cudaMallocAsync asserts, a pluggable
+    // allocator hands it to the user's hook. Only the native one packs.
     return !consumer.is_cuda() || c10::cuda::CUDACachingAllocator::name() == "native";
   }
 

@@ -27,7 +27,8 @@ bool aligned(const void* buf, size_t bytes, off_t offset) {
 // folder removed, before this returns. -1 with `error` set on failure.
 int anonymous_file(const std::string& dir, std::string* error) {
 #ifdef O_TMPFILE
-  // Refused (EOPNOTSUPP, EISDIR, EINVAL: none here; else the folder's fault, said below): named.
+  // Any failure falls back: EOPNOTSUPP (no O_TMPFILE on this file system) and EISDIR (kernel
+  // < 3.11) are expected; a real error (the folder's) recurs below, which names it.
   const int tmp = open(dir.c_str(), O_TMPFILE | O_RDWR | O_EXCL | O_CLOEXEC, 0600);
   if (tmp >= 0) return tmp;
 #endif

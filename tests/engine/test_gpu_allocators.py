@@ -55,7 +55,7 @@ def test_fetched_outputs_take_record_stream_under_every_allocator_backend(alloca
     assert per_fetch == (5 if allocator == "cudaMallocAsync" else 2), lines
 
 
-def test_a_ticket_waited_on_in_a_capture_of_finished_copies_records_nothing_and_the_graph_replays():
+def test_a_ticket_waited_on_in_a_capture_of_finished_copies_queues_no_wait_and_the_graph_replays():
     dev = torch.device("cuda:0")
     values = [torch.randn(256, device=dev) for _ in range(4)]
     stored = _engine.store(values, CPU)
