@@ -57,7 +57,7 @@ def _load_engine():
     if record is not None and record.get("torch") != running:  # checked before the library loads
         raise ImportError(torch_mismatch(record.get("torch"), running, record.get("cuda")))
     try:
-        from offcache import _C
+        import offcache._C as _C
     except ImportError as exc:  # no silent fallback: the engine is the product
         built = list(here.glob("_C*.so"))
         where = f"{exc}" if built else f"{here} holds no compiled engine"
