@@ -13,12 +13,12 @@ The environment variables it reads, their forms and defaults: config.py's docstr
 """
 
 from offcache.engine.config import (
-    _ENV,
-    _MAX_CHUNK,
-    _MAX_DELAY_US,
-    _SIZE_MAX,
+    _ENV,  # noqa: F401  (private: tests reach it through the package)
+    _MAX_CHUNK,  # noqa: F401  (private: tests reach it through the package)
+    _MAX_DELAY_US,  # noqa: F401  (private: tests reach it through the package)
+    _SIZE_MAX,  # noqa: F401  (private: tests reach it through the package)
     DEFAULTS,
-    _parse_int,
+    _parse_int,  # noqa: F401  (private: tests reach it through the package)
     capacity,
     configure,
     default_host_limit,
@@ -30,16 +30,16 @@ from offcache.engine.config import (
     settings,
 )
 from offcache.engine.disk_dir import make_disk_dir
-from offcache.engine.loader import _C, BUILD_RECORD, torch_mismatch
+from offcache.engine.loader import _C, BUILD_RECORD, torch_mismatch  # noqa: F401  (_C: private, as above)
 from offcache.engine.ops import (
     WEIGHT_COUNTERS,
     CapacityWarning,
     HostLimitError,
     SpillWarning,
     Ticket,
-    _fail_next_copy,
-    _fail_next_task,
-    _fail_query_after,
+    _fail_next_copy,  # noqa: F401  (private: tests reach it through the package)
+    _fail_next_task,  # noqa: F401  (private: tests reach it through the package)
+    _fail_query_after,  # noqa: F401  (private: tests reach it through the package)
     backend_name,
     build_info,
     copy_into,
@@ -100,16 +100,5 @@ __all__ = [
     "wait_stored",
     "warn_if_spilled",
 ]
-_private = (
-    _ENV,
-    _MAX_CHUNK,
-    _MAX_DELAY_US,
-    _SIZE_MAX,
-    _parse_int,
-    _C,
-    _fail_next_copy,
-    _fail_next_task,
-    _fail_query_after,
-)  # fmt: skip  (tests and the layers above reach these through the package)
 
 configure()

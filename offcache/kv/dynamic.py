@@ -156,10 +156,8 @@ class _Offloaded(OffloadedLayerBase):
     # the copies ------------------------------------------------------------------------------
 
     def prefetch(self) -> None:
-        """Start the H2D copy of this layer's K/V; update() waits on it. Not while a chunk is handed out
-        (keys/values): an edit through it before the next update must be seen, and a prefetch issued
-        before the edit would miss it (a forward that failed part-way leaves such a layer unupdated)."""
-        if self._host_k and self._prefetched is None and not self.__dict__.get("_exposed", False):
+        """Start the H2D copy of this layer's K/V; update() waits on it (not while handed out: _may_prefetch)."""
+        if self._host_k and self._may_prefetch():
             tensors, ticket = _engine.fetch(self._host_k + self._host_v, self.device, False)
             self._prefetched = (tensors, self._version, len(self._host_k), ticket)
 

@@ -13,6 +13,13 @@ from offcache import engine as _engine
 class OffloadedLayerBase:
     """Mixed into OffloadedLayer, OffloadedSlidingLayer, OffloadedStaticLayer and OffloadedStaticSlidingLayer."""
 
+    def _may_prefetch(self) -> bool:
+        """No prefetch in flight, and none while the layer's K/V are handed out (keys/values): an edit
+        through them before the next update must be seen, and a prefetch issued before the edit would
+        miss it (StaticCache's K/V are persistent; a forward that failed part-way leaves a dynamic
+        layer handed out but not updated)."""
+        return self.__dict__.get("_prefetched") is None and not self.__dict__.get("_exposed", False)
+
     def _drop_prefetch(self, on_host: bool = False) -> None:
         """Forget the prefetch, ordered before its device memory is reused (and, with `on_host`, before
         the host writes what it reads)."""

@@ -194,7 +194,7 @@ class _StaticOffloaded(OffloadedLayerBase):
     def prefetch(self) -> None:
         """Start the H2D copy of the filled prefix into the buffer not in use; update() waits on it."""
         n = self._filled() if self.is_initialized else 0
-        if n == 0 or self._prefetched is not None or self.__dict__.get("_exposed", False):
+        if n == 0 or not self._may_prefetch():
             return
         bufs = self._resolve_buffers()
         i = 1 - bufs.current
