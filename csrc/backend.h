@@ -143,6 +143,12 @@ class Backend {
   // did not allocate, so that Tensor.record_stream on such an output stays legal
   // (a no-op there: offcache.record_stream records the span).
   virtual bool packs_outputs(c10::Device /*consumer*/) const { return true; }
+  // Whether a store of CPU memory is copied by the calling thread straight into
+  // its host block: for a CPU producer the snapshot already is a copy by that
+  // thread, so staging it and copying again on a copy stream only adds work. The
+  // host backend slowed for tests (a copy delay) sends it through its D2H stream
+  // instead, as a device's store goes, so that path runs on the CPU too.
+  virtual bool copies_host_stores_inline() const { return true; }
   // Lets `from`'s copy engine read and write `to`'s memory directly.
   virtual void enable_peer_access(c10::Device from, c10::Device to) = 0;
   // Run by every engine-owned thread (the host copy streams' workers, the I/O

@@ -105,7 +105,8 @@ void HostCopyStream::synchronize_noexcept() noexcept {
 
 // The workers call it only for tasks, submitted once the backend is made.
 HostBackend::HostBackend(int64_t copy_delay_us)
-    : d2h_(counters, copy_delay_us, [this] { prepare_thread(); }),
+    : copy_delay_us_(copy_delay_us),
+      d2h_(counters, copy_delay_us, [this] { prepare_thread(); }),
       h2d_(counters, copy_delay_us, [this] { prepare_thread(); }) {}
 
 void HostBackend::prepare_thread() {

@@ -51,8 +51,10 @@ class HostBackend : public Backend {
   void enable_peer_access(c10::Device, c10::Device) override {}
   void prepare_thread() override;
   std::string stream_error() override;
+  bool copies_host_stores_inline() const override { return copy_delay_us_ == 0; }
 
  private:
+  int64_t copy_delay_us_;
   PageSource source_;
   CountedChunks counted_{source_, counters};
   HostCopyStream d2h_;

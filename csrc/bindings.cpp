@@ -97,6 +97,7 @@ py::dict stats_dict() {
   OFFCACHE_FIELD(dedup_entries);
   OFFCACHE_FIELD(snapshot_bytes);
   OFFCACHE_FIELD(snapshot_fallbacks);
+  OFFCACHE_FIELD(inline_store_copies);
   OFFCACHE_FIELD(snapshot_oom_skips);
   OFFCACHE_FIELD(chunk_bytes);
   OFFCACHE_FIELD(chunk_seconds);

@@ -52,9 +52,10 @@ struct EngineStats {
   size_t output_allocations = 0, handovers = 0;
   size_t d2h_bytes = 0, h2d_bytes = 0, d2h_copies = 0, h2d_copies = 0;
   size_t snapshot_bytes = 0, snapshot_fallbacks = 0;
-  size_t snapshot_oom_skips = 0;  // stores that skipped staging after a recent device OOM
-  size_t chunk_bytes = 0;         // arena chunks made (pinned on CUDA)
-  double chunk_seconds = 0;       // time making them: mmap, pre-faulting, registration
+  size_t inline_store_copies = 0;  // CPU values copied by the storing thread
+  size_t snapshot_oom_skips = 0;   // stores that skipped staging after a recent device OOM
+  size_t chunk_bytes = 0;          // arena chunks made (pinned on CUDA)
+  double chunk_seconds = 0;        // time making them: mmap, pre-faulting, registration
   double d2h_seconds = 0, h2d_seconds = 0;
   size_t pinned_limit_bytes = 0;
   size_t dedup_entries = 0;

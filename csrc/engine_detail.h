@@ -43,9 +43,11 @@ inline bool dense_enough(size_t span, size_t payload) { return span <= 2 * paylo
 inline bool dense(const at::Tensor& t) { return t.is_non_overlapping_and_dense(); }
 
 // `t` with its conj/neg bits resolved and laid out densely: the tensor itself
-// when it already is (no copy), else a new tensor on the current stream.
+// when it already is (no copy, and no dispatcher call: the common case of every
+// store), else a new tensor on the current stream, outside autograd.
 inline at::Tensor materialized(const at::Tensor& t) {
-  at::Tensor r = t.resolve_conj().resolve_neg();
+  if (!t.is_conj() && !t.is_neg() && dense(t)) return t;
+  at::Tensor r = t.detach().resolve_conj().resolve_neg();
   return dense(r) ? r : r.contiguous();
 }
 

@@ -207,7 +207,7 @@ std::vector<at::Tensor> Engine::store_to_host(const std::vector<at::Tensor>& val
     };
     for (size_t i = 0; i < values.size(); ++i) {
       if (values[i].device() != device) continue;
-      at::Tensor d = materialized(values[i].detach());
+      at::Tensor d = materialized(values[i]);
       if (d.numel() == 0) {
         out[i] = keep_flags(empty_like_on(d, c10::kCPU), values[i]);
         (*stored)[i] = true;
@@ -238,6 +238,16 @@ std::vector<at::Tensor> Engine::store_to_host(const std::vector<at::Tensor>& val
         c10::Storage storage = make_host_storage(hb, it.offset, it.dense.nbytes());
         out[it.index] = keep_flags(view_of(storage, 0, it.dense), values[it.index]);
         (*stored)[it.index] = true;
+      }
+      if (device.is_cpu() && !hb->disk() && backend_->copies_host_stores_inline()) {
+        // From CPU memory into a host block: this thread's copy is the snapshot
+        // and the store at once. The block is new, so no copy touches it.
+        snapshot_into(static_cast<char*>(hb->block.ptr), group, device);
+        auto l = lock();
+        stats_.d2h_bytes += total;
+        ++stats_.d2h_copies;  // one block's copy, as on a stream
+        stats_.inline_store_copies += group.size();
+        continue;
       }
       throttle(total, Dir::kStore);  // staging memory is bounded by the in-flight bound
       // A disk block: the copy fills an aligned bounce buffer, which the I/O

@@ -38,6 +38,7 @@ class _Stats(TypedDict):
     dedup_entries: int
     snapshot_bytes: int
     snapshot_fallbacks: int
+    inline_store_copies: int
     lock_waits_over_1ms: int
     leaked_blocks: int
     events_created: int

@@ -245,8 +245,25 @@ class IntermediatesCache:
 
     def _offload_many(self, values: dict[str, Any], onload: torch.device | None, batch_index: int, batches: int = 0):
         leaves: list[IntermediateValue] = []
-        out = {name: plan(v, onload, leaves, f"batch {batch_index}, value {name!r}") for name, v in values.items()}
-        _store(leaves, self.offload_device, lambda: f"batch {batch_index} (values {', '.join(map(repr, values))})")
+        # Stored leaves are checked by the engine's store (all of them, before it stores any); a
+        # refusal plans again with the checks, for the error that names the batch and the value.
+        check = self.offload_device is None
+
+        def checked() -> None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # plan's own warnings came out the first time
+                for name, v in values.items():
+                    plan(v, onload, [], f"batch {batch_index}, value {name!r}")
+
+        out = {
+            name: plan(v, onload, leaves, f"batch {batch_index}, value {name!r}", check) for name, v in values.items()
+        }
+        _store(
+            leaves,
+            self.offload_device,
+            lambda: f"batch {batch_index} (values {', '.join(map(repr, values))})",
+            checked,
+        )
         if batches > 1 and leaves and self.offload_device is not None and self.offload_device.type == "cpu":
             self._project(values, leaves, batch_index, batches)
         return out
@@ -287,14 +304,25 @@ class IntermediatesCache:
         return dict(zip(names, values)), tickets
 
 
-def _store(leaves: list[IntermediateValue], offload_device: torch.device | None, where=lambda: "the value") -> None:
-    """Replace each leaf's source tensor by its stored copy (one engine call); `where()` names them in errors."""
+def _store(
+    leaves: list[IntermediateValue],
+    offload_device: torch.device | None,
+    where=lambda: "the value",
+    checked=lambda: None,
+) -> None:
+    """Replace each leaf's source tensor by its stored copy (one engine call); `where()` names them in errors.
+
+    `checked()` raises the named error for a value the engine refuses (leaves planned unchecked).
+    """
     if offload_device is None or not leaves:
         return
     try:
         stored = _engine.store([leaf._value for leaf in leaves], offload_device)
     except _engine.HostLimitError as exc:
         raise _host_limit_error(exc, where()) from exc
+    except (TypeError, ValueError, RuntimeError):
+        checked()  # the engine refused a value: the same check here names it
+        raise
     for leaf, value in zip(leaves, stored):
         leaf._value, leaf._pending = value, True
     _engine.warn_if_spilled(stacklevel=4)  # the caller of update() / append() / from_dataloader()

@@ -37,7 +37,7 @@ _PLAIN_LEAVES = (int, str, float, bool, torch.dtype, torch.device, type(None))
 _NO_DISPATCH = torch._C._disabled_torch_dispatch_impl  # what a subclass that keeps torch's dispatch has
 
 
-@dataclass
+@dataclass(init=False)  # __init__ below: the hot path of every update() makes one per leaf
 class IntermediateValue:
     """An offloaded value and the device to onload it to (None for containers and leaves).
 
@@ -55,6 +55,10 @@ class IntermediateValue:
     device: torch.device | None
 
     _pending = False  # a store into `_value` may still be in flight
+
+    def __init__(self, value: Any, device: torch.device | None) -> None:
+        self._value = value  # what the `value` property's setter does, without its call
+        self.device = device
 
     def __copy__(self) -> IntermediateValue:
         out = type(self).__new__(type(self))
@@ -279,14 +283,18 @@ def _check_kind(t: Tensor, where: str) -> None:
         raise ValueError(f"{where}: cannot cache a meta tensor: it has no data")
 
 
-def plan(value: Any, onload: torch.device | None, leaves: list, where: str) -> IntermediateValue:
+def plan(value: Any, onload: torch.device | None, leaves: list, where: str, check: bool = True) -> IntermediateValue:
     """IntermediateValue tree for `value`; tensor leaves are appended to `leaves`.
 
     Each appended leaf still holds the source tensor; the caller replaces
-    `_value` with the stored copy. Every check runs here, before anything is stored.
+    `_value` with the stored copy. Every check runs here, before anything is stored,
+    except with ``check=False``: for a caller that hands every leaf to the engine's store,
+    which makes the same checks (``check_storable``) on all of them before it stores any, and
+    plans again with checks when the store refuses one, for the error that names it.
     """
     if value.__class__ is Tensor:
-        check_tensor(value, where)
+        if check:
+            check_tensor(value, where)
         leaf = IntermediateValue(value, onload if onload is not None else value.device)
         leaves.append(leaf)
         return leaf
@@ -299,7 +307,7 @@ def plan(value: Any, onload: torch.device | None, leaves: list, where: str) -> I
         return IntermediateValue(value, None)
     items, build = walked
     before = len(leaves)
-    planned = [plan(v, onload, leaves, where) for v in items]
+    planned = [plan(v, onload, leaves, where, check) for v in items]
     if len(leaves) == before:
         # No tensor inside: kept as the very object, as llm-compressor keeps non-tensor values.
         # Rebuilding it could lose what its fields do not hold (a PretrainedConfig's attribute

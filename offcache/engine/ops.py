@@ -94,7 +94,7 @@ def store(values: Sequence[Tensor], device: torch.device, allow_spill: bool = Tr
     """
     values = list(values)
     if _disk.pending():
-        _disk.make_disk_dir(sum(v.numel() * v.element_size() for v in values))
+        _disk.make_disk_dir(sum([v.numel() * v.element_size() for v in values]))
     return _C.store(values, device, allow_spill)
 
 

@@ -144,7 +144,7 @@ class Plan:
     shape: Shape
     input_bytes: int  # the calibration set in the cache (input_ids, attention_mask)
     boundaries: list[Boundary]
-    cache_peak_bytes: int  # the cache at its peak, a CPU model's snapshot of the store being made included
+    cache_peak_bytes: int  # the cache at its peak (a queued CPU store's snapshot included: copied_inline)
     in_flight_bytes: int  # what a CPU model's snapshots still in flight may hold more, at the bound's peak
     peak_bound_bytes: int  # the most the cache may hold, snapshots in flight included: the measured peak's bound
     weights: Weights
@@ -178,6 +178,14 @@ class Plan:
         """The largest subgraph's weights but subgraph 0's and the last's (embeddings, head)."""
         inner = self.weights.per_subgraph[1:-1] or self.weights.per_subgraph
         return max(inner, default=0)
+
+
+def copied_inline(settings: dict) -> bool:
+    """Whether the engine copies a store of CPU memory on the calling thread, so that a CPU model's
+    snapshots are never in flight: always, except on the host backend slowed for tests (a copy delay),
+    which sends them through its copy stream as a GPU's stores go (csrc/backend.h,
+    ``copies_host_stores_inline``)."""
+    return not settings.get("host_copy_delay_us")
 
 
 def torch_dtype(dtype) -> torch.dtype:
@@ -483,7 +491,8 @@ def estimate(
     settings = _engine.settings()
     replay = plan_sim.simulate_groups([(n, per_size[b], inputs[b]) for b, n in groups], onload=onload,
                                       host_limit=settings.get("host_limit", 0), passes=2 if propagate_error else 1,
-                                      max_in_flight=settings.get("max_in_flight"))  # fmt: skip
+                                      max_in_flight=settings.get("max_in_flight"),
+                                      copied_inline=copied_inline(settings))  # fmt: skip
     tiers = _tiers(replay.peak_bytes, settings)
     first = per_size[sizes[0]]
     weights = _weights([sg.weight_bytes for sg in first], weight_total, walked, onload, _gpu_bytes(gpu_bytes),
@@ -519,7 +528,7 @@ def estimate(
         seconds_disk=disk_seconds, seconds_weights=weight_seconds,
         advice=_advice(replay.peak_bytes, tiers, weights, method, reason, bounded,
                        (replay.bound_bytes - replay.peak_bytes, replay.bound_bytes, settings.get("max_in_flight", 0))
-                       if onload == "cpu" else None)
+                       if onload == "cpu" and not copied_inline(settings) else None)
         + ([SPLIT_APPROXIMATE] if replay.approximate else []) + ([past_positions] if past_positions else []),
     )  # fmt: skip
 

@@ -7,8 +7,10 @@ batch by batch, ``update(outputs)`` then ``delete(consumed_names)``; every subgr
 Memory is counted as offcache's engine holds it: each update() is one arena block (every tensor
 rounded up to 256 bytes; a tensor given twice in one call, e.g. one mask under several layer
 names, is stored once) that lives while any of its names does; a store snapshots its source
-first (on a CPU model, in host memory, until the copy lands). A block that does not fit under
-the host limit goes to the disk tier; its bytes are written there and read back on every fetch.
+first (on a CPU model, in host memory, until the copy lands), unless the engine copies a store
+of CPU memory on the calling thread (`copied_inline`, its default): then the block is all. A
+block that does not fit under the host limit goes to the disk tier; its bytes are written there
+and read back on every fetch.
 
 Snapshots still in flight (`in_flight_bounds`): on a CPU model a store's snapshot is an arena
 block (the engine's staging, csrc/engine_store.cpp) that lives until its copy completes and the
@@ -63,7 +65,7 @@ def inputs_of(batch: int, seq: int) -> dict[str, list]:
 
 
 def simulate(per_batch: list[list[SubgraphValues]], inputs: list[dict], *, onload: str, host_limit: int,
-             passes: int = 2, max_in_flight: int | None = None) -> Replay:  # fmt: skip
+             passes: int = 2, max_in_flight: int | None = None, copied_inline: bool = False) -> Replay:  # fmt: skip
     """Replay the pipeline over batches; per_batch[b][k] is subgraph k's values for batch b.
 
     Consecutive batches given the same subgraph list and inputs are replayed as one group
@@ -74,9 +76,8 @@ def simulate(per_batch: list[list[SubgraphValues]], inputs: list[dict], *, onloa
             groups[-1][0] += 1
         else:
             groups.append([1, subgraphs, given])
-    return simulate_groups(
-        [tuple(g) for g in groups], onload=onload, host_limit=host_limit, passes=passes, max_in_flight=max_in_flight
-    )
+    return simulate_groups([tuple(g) for g in groups], onload=onload, host_limit=host_limit, passes=passes,
+                           max_in_flight=max_in_flight, copied_inline=copied_inline)  # fmt: skip
 
 
 @dataclass
@@ -154,7 +155,8 @@ def _template(subgraphs: list[SubgraphValues], inputs: dict) -> _Template:
 
 
 def simulate_groups(groups: list[tuple[int, list[SubgraphValues], dict]], *, onload: str, host_limit: int,
-                    passes: int = 2, max_in_flight: int | None = None) -> Replay:  # fmt: skip
+                    passes: int = 2, max_in_flight: int | None = None,
+                    copied_inline: bool = False) -> Replay:  # fmt: skip
     """Replay the pipeline over groups of alike batches, (count, subgraph values, inputs) in batch order.
 
     The same numbers as simulate_each over every batch, at a cost that does not grow with the counts:
@@ -175,7 +177,7 @@ def simulate_groups(groups: list[tuple[int, list[SubgraphValues], dict]], *, onl
         for g, count, on_disk in runs:
             s = templates[g].stores[which]
             sizes = templates[g].sizes
-            staging = s.size if onload == "cpu" else 0
+            staging = s.size if onload == "cpu" and not copied_inline else 0
             emptied = set(s.over) | set(s.after)
             moves = {}
             for disk in (False, True):
@@ -231,13 +233,14 @@ def simulate_groups(groups: list[tuple[int, list[SubgraphValues], dict]], *, onl
     # The newest phase each subgraph's fetch reads (a template's block k is its phase k's): the fewest of any group.
     reads = [-1] + [min((max((b for b, _ in templates[g].fetches[k]), default=-1) for g, (count, _, _)
                          in enumerate(groups) if count > 0), default=-1) for k in range(subgraphs)]  # fmt: skip
-    in_flight = in_flight_bounds(phases, reads, onload=onload, passes=passes, max_in_flight=max_in_flight)
+    in_flight = in_flight_bounds(phases, reads, onload=onload, passes=passes, max_in_flight=max_in_flight,
+                                 copied_inline=copied_inline)  # fmt: skip
     return Replay(max(peaks), peaks, st["d2h"], st["h2d"], st["dw"], st["dr"], st["disk_peak"], st["approximate"],
                   in_flight, max(p + f for p, f in zip(peaks, in_flight)))  # fmt: skip
 
 
 def in_flight_bounds(phases: list[list[tuple[int, _Store]]], reads: list[int], *, onload: str, passes: int,
-                     max_in_flight: int | None) -> list[int]:  # fmt: skip
+                     max_in_flight: int | None, copied_inline: bool = False) -> list[int]:  # fmt: skip
     """Per phase (the calibration set's stores, then each subgraph's; the last stores none): the most
     that snapshots still in flight may hold beyond the replay's peak, which counts the one being stored.
 
@@ -249,9 +252,11 @@ def in_flight_bounds(phases: list[list[tuple[int, _Store]]], reads: list[int], *
     too. With two passes the first fetches every batch before the second stores: the phases up to the
     newest read are done; with one pass the newest read completes batch by batch alongside the stores.
     At most max(max_in_flight, the largest store) bytes of copies, each group's snapshot rounded up to
-    ALIGN (None: no limit). A GPU model's snapshots are device memory: nothing.
+    ALIGN (None: no limit). A GPU model's snapshots are device memory: nothing. Nor when the engine
+    copies stores of CPU memory on the calling thread (`copied_inline`: its default, see
+    ``copied_inline()`` in offcache/plan/core.py): each store has landed when update() returns.
     """
-    if onload != "cpu":
+    if onload != "cpu" or copied_inline:
         return [0] * len(phases)
 
     def before(stores: list[tuple[int, _Store]], b: int) -> int:  # the snapshots of a phase's batches before b
@@ -318,7 +323,7 @@ def _fast_forward(st: dict, g: int, count: int, moves: dict, s: _Store, staging:
 
 
 def simulate_each(per_batch: list[list[SubgraphValues]], inputs: list[dict], *, onload: str, host_limit: int,
-             passes: int = 2, max_in_flight: int | None = None) -> Replay:  # fmt: skip
+             passes: int = 2, max_in_flight: int | None = None, copied_inline: bool = False) -> Replay:  # fmt: skip
     """Replay the pipeline batch by batch; per_batch[b][k] is subgraph k's values for batch b.
 
     The reference for simulate_groups (its cost grows with the batches).
@@ -338,7 +343,7 @@ def simulate_each(per_batch: list[list[SubgraphValues]], inputs: list[dict], *, 
             for key, nbytes in leaves:
                 distinct.setdefault(key, nbytes)
         block = sum(aligned(v) for v in distinct.values())
-        staging = block if onload == "cpu" else 0  # a CPU source is snapshotted into the arena first
+        staging = block if onload == "cpu" and not copied_inline else 0  # snapshotted into the arena first
         state["peak"] = max(state["peak"], state["host"] + state["disk"] + block + staging)
         on_disk = state["host"] + block > host_limit
         ident = state["next"]
@@ -399,7 +404,8 @@ def simulate_each(per_batch: list[list[SubgraphValues]], inputs: list[dict], *, 
                     if name in where[b]:
                         _drop(b, name)
         peaks.append(state["peak"])
-    in_flight = in_flight_bounds(phases, reads, onload=onload, passes=passes, max_in_flight=max_in_flight)
+    in_flight = in_flight_bounds(phases, reads, onload=onload, passes=passes, max_in_flight=max_in_flight,
+                                 copied_inline=copied_inline)  # fmt: skip
     return Replay(max(peaks), peaks, state["d2h"], state["h2d"], state["dw"], state["dr"], state["disk_peak"],
                   in_flight=in_flight, bound_bytes=max(p + f for p, f in zip(peaks, in_flight)))  # fmt: skip
 

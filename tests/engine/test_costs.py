@@ -13,6 +13,15 @@ from tests.helpers import CPU
 COUNTERS = ("events_created", "events_recorded", "stream_waits", "copy_calls", "host_callbacks", "syncs")
 
 
+@pytest.fixture
+def host_engine(engine_config):
+    """The host backend with stores through its D2H stream, as a GPU's stores go: a copy delay sends a
+    store of CPU memory there instead of copying it on the calling thread (csrc/backend.h,
+    copies_host_stores_inline), so the counts below are the CUDA path's."""
+    engine_config(backend="host", host_copy_delay_us=1)
+    return engine_config
+
+
 class Delta:
     """Counter deltas over a `with` block."""
 

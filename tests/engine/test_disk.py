@@ -493,7 +493,8 @@ def test_every_engine_thread_prepares_itself_before_its_work(engine_config, disk
     # tier's I/O thread and fetch_file's. Counted once per thread.
     from tests.helpers import random_file
 
-    engine_config(backend="host", pinned_limit="1MiB", host_limit="1MiB", disk_dir=disk_dir)
+    # A copy delay sends a store of CPU memory through the D2H stream, as a GPU's store goes.
+    engine_config(backend="host", pinned_limit="1MiB", host_limit="1MiB", disk_dir=disk_dir, host_copy_delay_us=1)
     assert offcache.stats()["threads_prepared"] == 0
     small, big = torch.randn(1000), torch.randn(MiB)  # in memory (a copy-stream store), then on disk
     stored = _engine.store([small], CPU) + _engine.store([big], CPU)

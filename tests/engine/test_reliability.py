@@ -133,8 +133,9 @@ def test_refused_arena_allocation_spills_with_a_warning(tmp_path):
 
 def test_a_failing_copy_task_is_an_error_at_the_next_call_not_an_abort(engine_config):
     # A task that throws on a copy-stream worker (a CUDA event wait on a sticky error, say) used to
-    # reach std::terminate. Now the next engine call raises it, and a new engine works.
-    engine_config(backend="host")
+    # reach std::terminate. Now the next engine call raises it, and a new engine works. (A copy delay
+    # sends a store of CPU memory through the D2H stream's worker, as a GPU's store goes.)
+    engine_config(backend="host", host_copy_delay_us=1)
     x = torch.randn(1000)
     _engine.store([x], torch.device("cpu"))
     offcache.synchronize()

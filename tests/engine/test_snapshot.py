@@ -29,6 +29,33 @@ def slow_host(engine_config):
 # The store contract --------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("delay_us", [0, 20000])
+def test_a_store_of_cpu_memory_is_copied_by_the_calling_thread(engine_config, delay_us):
+    # For a CPU producer the snapshot is already a copy by the calling thread: the store lands in its
+    # block then (no staging, no copy stream, nothing in flight). The host backend slowed for tests
+    # sends it through its D2H stream, as a GPU's store goes, so the suite runs that path too.
+    engine_config(backend="host", host_copy_delay_us=delay_us)
+    values = [torch.randn(8, 16), torch.ones(64, dtype=torch.bool), torch.arange(3 << 18)]  # packed, and 6 MiB
+    expected = [v.clone() for v in values]
+    before = _engine.stats()
+    stored = _engine.store(values, CPU)
+    after = _engine.stats()
+    for v in values:
+        v.zero_()  # the snapshot was taken at the call, on either path
+    for s in stored:
+        _engine.wait_stored(s)  # a no-op for a store that landed inline
+    assert all(torch.equal(s, e) for s, e in zip(stored, expected))
+    inline = after["inline_store_copies"] - before["inline_store_copies"]
+    streamed = after["copy_calls"] - before["copy_calls"]
+    assert after["d2h_copies"] - before["d2h_copies"] == 2  # one per block: the two small values share one
+    if delay_us:
+        assert (inline, after["snapshot_bytes"] > before["snapshot_bytes"]) == (0, True)
+        assert streamed > 0
+    else:
+        assert (inline, streamed, after["in_flight_bytes"]) == (3, 0, 0)
+        assert after["snapshot_bytes"] == before["snapshot_bytes"]  # no staging
+
+
 def test_in_place_edit_right_after_update_never_tears_the_stored_value(slow_host):
     cache = IntermediatesCache.empty(1, "cpu")
     for _ in range(20):

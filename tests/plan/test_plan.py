@@ -97,13 +97,19 @@ def test_estimate_returns_the_numbers_of_every_boundary():
     assert any("Llama formula (fallback)" in a for a in p.advice)
 
 
-def test_the_peak_holds_subgraph_0s_block_and_one_layer_of_hidden_states():
+def test_the_peak_holds_subgraph_0s_block_and_one_layer_of_hidden_states(engine_config):
     shape = dataclasses.replace(SHAPE, layers=6)
+    engine_config(backend="host")
     p = plan.estimate(shape=shape, samples=8, seq_len=64)
     first, later = p.boundaries[0], p.boundaries[2]
     # One update() is one arena block: subgraph 0's hidden states share theirs with the position
     # ids, mask and rotary that every later subgraph reads, so deleting them frees nothing.
     assert p.boundaries[-1].cache_peak_bytes == first.total_bytes + later.total_bytes + later.batch_bytes
+    # A CPU model's stores are copied by the calling thread: no snapshot, nothing in flight.
+    inline = plan.estimate(shape=shape, samples=8, seq_len=64, onload="cpu")
+    assert inline.cache_peak_bytes == inline.peak_bound_bytes == p.cache_peak_bytes
+    assert not any("OFFCACHE_MAX_IN_FLIGHT" in a for a in inline.advice)
+    engine_config(backend="host", host_copy_delay_us=1)  # copies queued on the copy thread
     on_cpu = plan.estimate(shape=shape, samples=8, seq_len=64, onload="cpu")
     assert on_cpu.cache_peak_bytes == p.cache_peak_bytes + later.batch_bytes  # the snapshot is host memory too
     assert any("OFFCACHE_MAX_IN_FLIGHT" in a for a in on_cpu.advice)  # more snapshots may be in flight
@@ -115,7 +121,11 @@ def test_a_cpu_models_snapshots_in_flight_are_in_the_bound(engine_config):
     # snapshots of all 8 batches may be in flight (the one being stored is in the cache peak already),
     # unless OFFCACHE_MAX_IN_FLIGHT holds fewer. On a GPU the snapshot is device memory: nothing more.
     shape = dataclasses.replace(SHAPE, layers=6)
-    engine_config(backend="host")  # OFFCACHE_MAX_IN_FLIGHT's default, 1 GiB: the run's stores bound it
+    engine_config(backend="host")  # the host backend's own copy threads at full speed: the caller copies
+    inline = plan.estimate(shape=shape, samples=8, seq_len=64, onload="cpu")
+    assert inline.in_flight_bytes == 0 and inline.peak_bound_bytes == inline.cache_peak_bytes
+    # Slowed copy threads queue the copies: OFFCACHE_MAX_IN_FLIGHT's default, 1 GiB, the stores bound it
+    engine_config(backend="host", host_copy_delay_us=1)
     on_cpu = plan.estimate(shape=shape, samples=8, seq_len=64, onload="cpu")
     later = on_cpu.boundaries[2]
     assert later.in_flight_bytes == 7 * later.batch_bytes
@@ -128,7 +138,7 @@ def test_a_cpu_models_snapshots_in_flight_are_in_the_bound(engine_config):
     # One pass: the previous subgraph's stores are waited for batch by batch, so those of this batch on
     # may be in flight too (this one's freed by the engine's next reap): 8 - b of them and b of these.
     assert single.boundaries[2].in_flight_bytes == 8 * later.batch_bytes
-    engine_config(backend="host", max_in_flight=later.batch_bytes)  # one store's copy at a time
+    engine_config(backend="host", host_copy_delay_us=1, max_in_flight=later.batch_bytes)  # one at a time
     bounded = plan.estimate(shape=shape, samples=8, seq_len=64, onload="cpu")
     assert later.batch_bytes <= bounded.boundaries[2].in_flight_bytes < 2 * later.batch_bytes
     assert bounded.cache_peak_bytes == on_cpu.cache_peak_bytes < bounded.peak_bound_bytes < on_cpu.peak_bound_bytes
