@@ -182,7 +182,8 @@ class Backend {
   }
   // Tests: the query after the next `skip` ones (counted or not) throws, once:
   // EventUnknown if `transient`, else an error as from a broken CUDA context.
-  static void fail_query_after(int skip, bool transient);
+  // skip < 0 disarms. Returns whether a fault armed before had not fired yet.
+  static bool fail_query_after(int skip, bool transient);
   // current_wait() for a ChainedEvent (copies an I/O thread issues): the host
   // waits until they are issued (on the CPU: done), counted, and raises if they
   // were not all issued. False for any other event.

@@ -252,7 +252,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_fail_query_after", &offcache::Backend::fail_query_after, py::arg("skip"),
         py::arg("transient") = false,
         "Tests: the event query after the next `skip` ones raises, once (transient: as during "
-        "another thread's graph capture; else as on a broken CUDA context).");
+        "another thread's graph capture; else as on a broken CUDA context); skip < 0 disarms. "
+        "Returns whether a fault armed before had not fired yet.");
   m.def(
       "set_pinned_limit", [](size_t bytes) { offcache::EngineUse()->set_limit(bytes); },
       py::call_guard<py::gil_scoped_release>());

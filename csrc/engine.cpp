@@ -347,7 +347,14 @@ EventPtr Engine::issue_after_reads(Dir dir, CopyStream& stream, std::vector<Even
 
 bool Engine::is_complete(const EventPtr& e, QueryMemo* memo) {
   if (memo && memo->event == e.get()) return memo->done;
-  const bool complete = backend_->query(e);
+  bool complete;
+  try {
+    complete = backend_->query(e);
+  } catch (const EventUnknown&) {
+    // Refused for now (another thread's graph capture): taken as still running, so the
+    // caller orders its work after it (a stream wait), as for any copy in flight.
+    return false;
+  }
   if (memo) *memo = QueryMemo{e.get(), complete};
   return complete;
 }
@@ -368,13 +375,20 @@ EventPtr Engine::pending_write_of(const at::Tensor& t, QueryMemo* memo) {
   return it->second.second;
 }
 
+void Engine::drop_completed_reads(std::vector<EventPtr>* reads) {
+  // As a host block's fences (HostBlock::add_fence): a query that throws keeps every read,
+  // which later writes then wait for; none is lost.
+  try {
+    drop_completed(reads, [this](const EventPtr& e) { return backend_->query(e); });
+  } catch (const std::exception&) {  // NOLINT(bugprone-empty-catch): all kept, as above
+  }
+}
+
 void Engine::pending_reads_of(const at::Tensor& t, std::vector<EventPtr>* out) {
   auto it = device_reads_.find(t.storage().unsafeGetStorageImpl());
   if (it == device_reads_.end()) return;
   auto& reads = it->second.second;
-  reads.erase(std::remove_if(reads.begin(), reads.end(),
-                             [this](const EventPtr& e) { return backend_->query(e); }),
-              reads.end());
+  drop_completed_reads(&reads);
   out->insert(out->end(), reads.begin(), reads.end());
 }
 
@@ -389,9 +403,7 @@ void Engine::note_device_access(const at::Tensor& t, const EventPtr& done, bool 
           key, std::make_pair(t.storage().getWeakStorageImpl(), std::vector<EventPtr>{done}));
     } else {
       auto& reads = it->second.second;
-      reads.erase(std::remove_if(reads.begin(), reads.end(),
-                                 [this](const EventPtr& e) { return backend_->query(e); }),
-                  reads.end());
+      drop_completed_reads(&reads);
       reads.push_back(done);
     }
   }

@@ -212,6 +212,8 @@ class Engine {
   };
   bool is_complete(const EventPtr& e, QueryMemo* memo);  // a counted query, memoised
   EventPtr pending_write_of(const at::Tensor& t, QueryMemo* memo = nullptr);  // needs mu_
+  // Drops the completed events of a device storage's reads; keeps all when a query throws.
+  void drop_completed_reads(std::vector<EventPtr>* reads);
   // Appends the D2H copies still reading device tensor `t`'s storage (needs mu_).
   void pending_reads_of(const at::Tensor& t, std::vector<EventPtr>* out);
   // Records a copy_into that reads or writes device tensor `t` (needs mu_).

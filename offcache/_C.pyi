@@ -122,7 +122,7 @@ def _fail_next_task() -> None:
 def _format_check(value: int) -> str:
     """Build check: the string '[value, 0.5]' as the engine formats it."""
 
-def _fail_query_after(skip: int, transient: bool = False) -> None:
+def _fail_query_after(skip: int, transient: bool = False) -> bool:
     """Tests: the event query after the next `skip` ones raises, once."""
 
 def synchronize() -> None:
