@@ -52,6 +52,9 @@ struct Counters {
   // Chunks whose cudaHostUnregister failed: kept mapped (and registered) for
   // good, since unmapping memory the driver may still use would be worse.
   std::atomic<uint64_t> chunks_kept_registered{0};
+  // Driver calls asking whether a foreign CPU source of a fetch is pinned (cudaPointerGetAttributes
+  // through Tensor::is_pinned): the engine's own memory and torch's allocators need none.
+  std::atomic<uint64_t> pinned_queries{0};
 };
 
 // A backend's chunk source, counted (Counters::chunks_made / chunks_released).
@@ -163,6 +166,9 @@ class Backend {
     virtual ~CallScope() = default;
   };
   virtual std::unique_ptr<CallScope> enter_call() const { return nullptr; }
+  // The allocator of the pinned host memory torch makes for this backend (pin_memory()), if
+  // any: its storages are pinned without asking the driver.
+  virtual const c10::Allocator* pinned_host_allocator() const { return nullptr; }
   // False in a forked child of a process whose engine cannot cross fork (CUDA).
   virtual bool in_owner_process() const { return true; }
   // Raises the fork error where in_owner_process() is false.

@@ -110,6 +110,10 @@ py::dict stats_dict() {
   OFFCACHE_FIELD(pinned_registrations);
   OFFCACHE_FIELD(syncs);
   OFFCACHE_FIELD(event_queries);
+  OFFCACHE_FIELD(pinned_queries);
+  OFFCACHE_FIELD(packed_spans);
+  OFFCACHE_FIELD(packed_span_bytes);
+  OFFCACHE_FIELD(packed_output_bytes);
   OFFCACHE_FIELD(threads_prepared);
   OFFCACHE_FIELD(chunks_made);
   OFFCACHE_FIELD(chunks_released);

@@ -1,5 +1,7 @@
 #include "engine.h"
 
+#include <c10/core/CPUAllocator.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -15,6 +17,7 @@ Engine::Engine(std::unique_ptr<Backend> backend, ArenaOptions arena, size_t max_
                DiskOptions disk)
     : backend_(std::move(backend)),
       arena_(backend_->chunks(), arena),
+      span_tally_(std::make_shared<SpanTally>()),
       max_in_flight_(max_in_flight),
       disk_options_(std::move(disk)) {
   if (!disk_options_.dir.empty()) {
@@ -375,6 +378,36 @@ EventPtr Engine::pending_write_of(const at::Tensor& t, QueryMemo* memo) {
   return it->second.second;
 }
 
+bool Engine::foreign_pinned(const at::Tensor& t) {
+  if (!t.has_storage()) return false;
+  const c10::Storage& s = t.storage();
+  const c10::Allocator* allocator = s.allocator();
+  if (allocator != nullptr) {
+    if (allocator == c10::GetCPUAllocator() || allocator == c10::GetDefaultCPUAllocator())
+      return false;  // pageable (a view made dense by the fetch comes from it too)
+    if (allocator == backend_->pinned_host_allocator()) return true;
+  }
+  const c10::StorageImpl* key = s.unsafeGetStorageImpl();
+  const void* data = s.data();
+  {
+    auto l = lock();
+    auto it = pinned_memo_.find(key);
+    if (it != pinned_memo_.end() && !it->second.storage.expired() && it->second.data == data)
+      return it->second.pinned;
+  }
+  ++backend_->counters.pinned_queries;
+  const bool pinned = t.is_pinned();
+  auto l = lock();
+  // Entries of dead storages go now and then: amortised O(1) per query. Weak references only:
+  // no Python object is touched under the lock.
+  if (++pinned_memo_inserts_ % 64 == 0) {
+    for (auto it = pinned_memo_.begin(); it != pinned_memo_.end();)
+      it = it->second.storage.expired() ? pinned_memo_.erase(it) : std::next(it);
+  }
+  pinned_memo_.insert_or_assign(key, PinnedMemo{s.getWeakStorageImpl(), data, pinned});
+  return pinned;
+}
+
 void Engine::drop_completed_reads(std::vector<EventPtr>* reads) {
   // As a host block's fences (HostBlock::add_fence): a query that throws keeps every read,
   // which later writes then wait for; none is lost.
@@ -485,6 +518,10 @@ EngineStats Engine::stats() {
   s.chunks_made = c.chunks_made;
   s.chunks_released = c.chunks_released;
   s.chunks_kept_registered = c.chunks_kept_registered;
+  s.pinned_queries = c.pinned_queries;
+  s.packed_spans = span_tally_->spans;
+  s.packed_span_bytes = span_tally_->span_bytes;
+  s.packed_output_bytes = span_tally_->output_bytes;
   s.host_limit_bytes = disk_options_.host_limit;
   if (disk_) {
     s.disk_bytes = disk_arena_->in_use_bytes();

@@ -61,6 +61,10 @@ class _Stats(TypedDict):
     chunk_bytes: int
     chunk_seconds: float
     event_queries: int
+    pinned_queries: int
+    packed_spans: int
+    packed_span_bytes: int
+    packed_output_bytes: int
     threads_prepared: int
     chunks_made: int
     chunks_released: int
