@@ -194,5 +194,35 @@ TEST(DeferredFreesReclaim, AThrowingReleaseKeepsTheBlockPending) {
             (std::vector<void*>{reinterpret_cast<void*>(0x1000), reinterpret_cast<void*>(0x2000)}));
 }
 
+// A block's fence list pruned while a query throws part-way (HostBlock::add_fence): before, a
+// std::remove_if moved kept fences forward and left moved-from (null) entries behind.
+TEST(DropCompleted, AThrowingQueryLeavesTheListAsItWas) {
+  for (size_t n : {3, 5, 70, 130}) {
+    for (size_t throw_at = 0; throw_at < n; ++throw_at) {
+      std::vector<EventPtr> events;
+      for (size_t i = 0; i < n; ++i) {
+        events.push_back(i % 2 == 0 ? done_event() : std::make_shared<HostEvent>());
+      }
+      const std::vector<EventPtr> before = events;
+      size_t asked = 0;
+      EXPECT_THROW(drop_completed(&events,
+                                  [&](const EventPtr& e) {
+                                    if (asked++ == throw_at) throw EventUnknown("refused for now");
+                                    return e->query();
+                                  }),
+                   EventUnknown);
+      EXPECT_EQ(events, before) << n << " events, query " << throw_at << " threw";
+    }
+    std::vector<EventPtr> events;
+    for (size_t i = 0; i < n; ++i) {
+      events.push_back(i % 2 == 0 ? done_event() : std::make_shared<HostEvent>());
+    }
+    std::vector<EventPtr> pending;
+    for (size_t i = 1; i < n; i += 2) pending.push_back(events[i]);
+    drop_completed(&events, [](const EventPtr& e) { return e->query(); });
+    EXPECT_EQ(events, pending);  // the completed ones gone, the others in order
+  }
+}
+
 }  // namespace
 }  // namespace offcache

@@ -52,6 +52,9 @@ struct Counters {
   // Chunks whose cudaHostUnregister failed: kept mapped (and registered) for
   // good, since unmapping memory the driver may still use would be worse.
   std::atomic<uint64_t> chunks_kept_registered{0};
+  // Driver calls asking whether a foreign CPU source of a fetch is pinned (cudaPointerGetAttributes
+  // through Tensor::is_pinned): the engine's own memory and torch's allocators need none.
+  std::atomic<uint64_t> pinned_queries{0};
 };
 
 // A backend's chunk source, counted (Counters::chunks_made / chunks_released).
@@ -169,6 +172,9 @@ class Backend {
     virtual ~CallScope() = default;
   };
   virtual std::unique_ptr<CallScope> enter_call() const { return nullptr; }
+  // The allocator of the pinned host memory torch makes for this backend (pin_memory()), if
+  // any: its storages are pinned without asking the driver.
+  virtual const c10::Allocator* pinned_host_allocator() const { return nullptr; }
   // False in a forked child of a process whose engine cannot cross fork (CUDA).
   virtual bool in_owner_process() const { return true; }
   // Raises the fork error where in_owner_process() is false.
@@ -188,7 +194,8 @@ class Backend {
   }
   // Tests: the query after the next `skip` ones (counted or not) throws, once:
   // EventUnknown if `transient`, else an error as from a broken CUDA context.
-  static void fail_query_after(int skip, bool transient);
+  // skip < 0 disarms. Returns whether a fault armed before had not fired yet.
+  static bool fail_query_after(int skip, bool transient);
   // current_wait() for a ChainedEvent (copies an I/O thread issues): the host
   // waits until they are issued (on the CPU: done), counted, and raises if they
   // were not all issued. False for any other event.

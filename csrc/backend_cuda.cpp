@@ -403,6 +403,8 @@ class CudaBackend : public Backend {
     const int n = c10::cuda::device_count();
     for (int d = 0; d < n; ++d) pools_.push_back(std::make_shared<EventPool>(d, shared_counters));
     streams_.resize(n);
+    // What pin_memory() allocates with (torch's caching host allocator).
+    pinned_allocator_ = at::globalContext().getPinnedMemoryAllocator(c10::DeviceType::CUDA);
   }
   BackendKind kind() const override { return BackendKind::kCuda; }
   ChunkSource& chunks() override { return counted_; }
@@ -416,6 +418,7 @@ class CudaBackend : public Backend {
     return std::make_unique<RelaxedCall>();
   }
 
+  const c10::Allocator* pinned_host_allocator() const override { return pinned_allocator_; }
   bool in_owner_process() const override { return g_fork_generation.load() == generation_; }
   void check_process() const override {
     // The pid as a string: the message then needs no integer formatting (std::ostream).
@@ -559,6 +562,7 @@ class CudaBackend : public Backend {
   std::mutex mu_;
   std::vector<std::shared_ptr<EventPool>> pools_;
   std::vector<std::array<std::unique_ptr<CudaCopyStream>, 2>> streams_;
+  const c10::Allocator* pinned_allocator_ = nullptr;
 };
 
 }  // namespace

@@ -22,11 +22,13 @@ int g_query_skip = 0;
 bool g_query_transient = false;
 }  // namespace
 
-void Backend::fail_query_after(int skip, bool transient) {
+bool Backend::fail_query_after(int skip, bool transient) {
   std::lock_guard<std::mutex> l(g_query_fault_mu);
+  const bool pending = query_faults_armed.load();
   g_query_skip = skip;
   g_query_transient = transient;
-  query_faults_armed.store(true);
+  query_faults_armed.store(skip >= 0);
+  return pending;
 }
 
 void Backend::maybe_fail_query() {

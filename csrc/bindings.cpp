@@ -111,6 +111,10 @@ py::dict stats_dict() {
   OFFCACHE_FIELD(pinned_registrations);
   OFFCACHE_FIELD(syncs);
   OFFCACHE_FIELD(event_queries);
+  OFFCACHE_FIELD(pinned_queries);
+  OFFCACHE_FIELD(packed_spans);
+  OFFCACHE_FIELD(packed_span_bytes);
+  OFFCACHE_FIELD(packed_output_bytes);
   OFFCACHE_FIELD(threads_prepared);
   OFFCACHE_FIELD(chunks_made);
   OFFCACHE_FIELD(chunks_released);
@@ -253,7 +257,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_fail_query_after", &offcache::Backend::fail_query_after, py::arg("skip"),
         py::arg("transient") = false,
         "Tests: the event query after the next `skip` ones raises, once (transient: as during "
-        "another thread's graph capture; else as on a broken CUDA context).");
+        "another thread's graph capture; else as on a broken CUDA context); skip < 0 disarms. "
+        "Returns whether a fault armed before had not fired yet.");
   m.def(
       "set_pinned_limit", [](size_t bytes) { offcache::EngineUse()->set_limit(bytes); },
       py::call_guard<py::gil_scoped_release>());

@@ -1,5 +1,7 @@
 #include "engine.h"
 
+#include <c10/core/CPUAllocator.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -15,6 +17,7 @@ Engine::Engine(std::unique_ptr<Backend> backend, ArenaOptions arena, size_t max_
                DiskOptions disk)
     : backend_(std::move(backend)),
       arena_(backend_->chunks(), arena),
+      span_tally_(std::make_shared<SpanTally>()),
       max_in_flight_(max_in_flight),
       disk_options_(std::move(disk)) {
   if (!disk_options_.dir.empty()) {
@@ -347,7 +350,14 @@ EventPtr Engine::issue_after_reads(Dir dir, CopyStream& stream, std::vector<Even
 
 bool Engine::is_complete(const EventPtr& e, QueryMemo* memo) {
   if (memo && memo->event == e.get()) return memo->done;
-  const bool complete = backend_->query(e);
+  bool complete;
+  try {
+    complete = backend_->query(e);
+  } catch (const EventUnknown&) {
+    // Refused for now (another thread's graph capture): taken as still running, so the
+    // caller orders its work after it (a stream wait), as for any copy in flight.
+    return false;
+  }
   if (memo) *memo = QueryMemo{e.get(), complete};
   return complete;
 }
@@ -368,13 +378,50 @@ EventPtr Engine::pending_write_of(const at::Tensor& t, QueryMemo* memo) {
   return it->second.second;
 }
 
+bool Engine::foreign_pinned(const at::Tensor& t) {
+  if (!t.has_storage()) return false;
+  const c10::Storage& s = t.storage();
+  const c10::Allocator* allocator = s.allocator();
+  if (allocator != nullptr) {
+    if (allocator == c10::GetCPUAllocator() || allocator == c10::GetDefaultCPUAllocator())
+      return false;  // pageable (a view made dense by the fetch comes from it too)
+    if (allocator == backend_->pinned_host_allocator()) return true;
+  }
+  const c10::StorageImpl* key = s.unsafeGetStorageImpl();
+  const void* data = s.data();
+  {
+    auto l = lock();
+    auto it = pinned_memo_.find(key);
+    if (it != pinned_memo_.end() && !it->second.storage.expired() && it->second.data == data)
+      return it->second.pinned;
+  }
+  ++backend_->counters.pinned_queries;
+  const bool pinned = t.is_pinned();
+  auto l = lock();
+  // Entries of dead storages go now and then: amortised O(1) per query. Weak references only:
+  // no Python object is touched under the lock.
+  if (++pinned_memo_inserts_ % 64 == 0) {
+    for (auto it = pinned_memo_.begin(); it != pinned_memo_.end();)
+      it = it->second.storage.expired() ? pinned_memo_.erase(it) : std::next(it);
+  }
+  pinned_memo_.insert_or_assign(key, PinnedMemo{s.getWeakStorageImpl(), data, pinned});
+  return pinned;
+}
+
+void Engine::drop_completed_reads(std::vector<EventPtr>* reads) {
+  // As a host block's fences (HostBlock::add_fence): a query that throws keeps every read,
+  // which later writes then wait for; none is lost.
+  try {
+    drop_completed(reads, [this](const EventPtr& e) { return backend_->query(e); });
+  } catch (const std::exception&) {  // NOLINT(bugprone-empty-catch): all kept, as above
+  }
+}
+
 void Engine::pending_reads_of(const at::Tensor& t, std::vector<EventPtr>* out) {
   auto it = device_reads_.find(t.storage().unsafeGetStorageImpl());
   if (it == device_reads_.end()) return;
   auto& reads = it->second.second;
-  reads.erase(std::remove_if(reads.begin(), reads.end(),
-                             [this](const EventPtr& e) { return backend_->query(e); }),
-              reads.end());
+  drop_completed_reads(&reads);
   out->insert(out->end(), reads.begin(), reads.end());
 }
 
@@ -389,9 +436,7 @@ void Engine::note_device_access(const at::Tensor& t, const EventPtr& done, bool 
           key, std::make_pair(t.storage().getWeakStorageImpl(), std::vector<EventPtr>{done}));
     } else {
       auto& reads = it->second.second;
-      reads.erase(std::remove_if(reads.begin(), reads.end(),
-                                 [this](const EventPtr& e) { return backend_->query(e); }),
-                  reads.end());
+      drop_completed_reads(&reads);
       reads.push_back(done);
     }
   }
@@ -473,6 +518,10 @@ EngineStats Engine::stats() {
   s.chunks_made = c.chunks_made;
   s.chunks_released = c.chunks_released;
   s.chunks_kept_registered = c.chunks_kept_registered;
+  s.pinned_queries = c.pinned_queries;
+  s.packed_spans = span_tally_->spans;
+  s.packed_span_bytes = span_tally_->span_bytes;
+  s.packed_output_bytes = span_tally_->output_bytes;
   s.host_limit_bytes = disk_options_.host_limit;
   if (disk_) {
     s.disk_bytes = disk_arena_->in_use_bytes();

@@ -36,6 +36,10 @@
 
 namespace offcache {
 
+namespace detail {
+struct SpanTally;  // engine_detail.h
+}  // namespace detail
+
 struct EngineStats {
   size_t pinned_reserved_bytes = 0, pinned_in_use_bytes = 0, pageable_bytes = 0;
   size_t in_flight_bytes = 0, deferred_bytes = 0;
@@ -64,6 +68,10 @@ struct EngineStats {
   // Backend primitives (backend.h, Counters).
   uint64_t events_created = 0, events_recorded = 0, stream_waits = 0, copy_calls = 0;
   uint64_t host_callbacks = 0, pinned_registrations = 0, syncs = 0, event_queries = 0;
+  uint64_t pinned_queries = 0;  // driver calls asking whether a foreign fetch source is pinned
+  // Packed spans alive (allocations shared by a fetch's small outputs), their bytes, and the
+  // bytes of their live outputs: a span retains at most 256 KiB or 16x its smallest output.
+  size_t packed_spans = 0, packed_span_bytes = 0, packed_output_bytes = 0;
   // Disk tier (0 without a disk dir).
   size_t host_limit_bytes = 0, disk_bytes = 0, disk_reserved_bytes = 0, peak_disk_bytes = 0;
   size_t disk_files = 0, disk_write_bytes = 0, disk_read_bytes = 0;
@@ -213,6 +221,12 @@ class Engine {
   };
   bool is_complete(const EventPtr& e, QueryMemo* memo);  // a counted query, memoised
   EventPtr pending_write_of(const at::Tensor& t, QueryMemo* memo = nullptr);  // needs mu_
+  // Drops the completed events of a device storage's reads; keeps all when a query throws.
+  // Whether CPU tensor `t`, which no arena block holds, is pinned: known from its
+  // allocator (torch's CPU allocator, or the backend's pinned one), else asked once per
+  // storage (a driver call, Counters::pinned_queries) and remembered. Only counts use it.
+  bool foreign_pinned(const at::Tensor& t);
+  void drop_completed_reads(std::vector<EventPtr>* reads);
   // Appends the D2H copies still reading device tensor `t`'s storage (needs mu_).
   void pending_reads_of(const at::Tensor& t, std::vector<EventPtr>* out);
   // Records a copy_into that reads or writes device tensor `t` (needs mu_).
@@ -294,6 +308,15 @@ class Engine {
   std::unordered_map<const c10::StorageImpl*,
                      std::pair<c10::weak_intrusive_ptr<c10::StorageImpl>, std::vector<EventPtr>>>
       device_reads_;  // device tensors read by copy_into's D2H copies -> those copies
+  struct PinnedMemo {
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+    const void* data;
+    bool pinned;
+  };
+  std::unordered_map<const c10::StorageImpl*, PinnedMemo> pinned_memo_;  // foreign_pinned()'s
+  size_t pinned_memo_inserts_ = 0;
+  // The packed spans of this engine's fetches (outputs may outlive it: shared).
+  std::shared_ptr<detail::SpanTally> span_tally_;
   size_t max_in_flight_;
   EngineStats stats_;
   bool spill_warned_ = false;

@@ -151,7 +151,7 @@ EventPtr Engine::copy_into(const std::vector<at::Tensor>& dsts, const std::vecto
       }
       // Read after write, and write after read or write, on host blocks.
       for (HostBlock* hb : g.read) {
-        if (hb->stored && !backend_->query(hb->stored)) g.deps.push_back(hb->stored);
+        if (hb->stored && !is_complete(hb->stored, nullptr)) g.deps.push_back(hb->stored);
       }
       for (HostBlock* hb : g.written)
         g.deps.insert(g.deps.end(), hb->fences.begin(), hb->fences.end());

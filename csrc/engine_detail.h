@@ -5,19 +5,29 @@
 #include <ATen/ATen.h>
 #include <c10/core/TensorImpl.h>
 
+#include <atomic>
 #include <chrono>
+#include <memory>
 #include <optional>
+#include <utility>
 
 namespace offcache::detail {
 
 // Batching policy, owned by the engine. Values below kPackBytes stored
 // together share one block (and one copy), in pieces of at most
-// kPackPieceBytes; a fetch copies a block's span, gaps included, while it is
-// at most twice the payload plus kSpanSlack.
+// kPackPieceBytes, each at a kPackAlign offset. A fetch copies a block's span,
+// gaps included, into one allocation that its values' outputs share, while the
+// span is at most twice the payload plus kSpanSlack, and at most kSpanFloor
+// bytes or kSpanRatio times its smallest value (an output kept alive keeps its
+// span: so what a span retains is bounded by any one of its outputs). Values
+// share a span only when their addresses agree modulo kPackAlign, so each
+// output starts kPackAlign-aligned in its allocation.
 constexpr size_t kPackBytes = size_t{1} << 20;
 constexpr size_t kPackPieceBytes = size_t{16} << 20;
-constexpr size_t kPackAlign = 64;  // >= every dtype's alignment
+constexpr size_t kPackAlign = 64;  // >= every dtype's alignment; vector loads want 16 or more
 constexpr size_t kSpanSlack = 4096;
+constexpr size_t kSpanFloor = size_t{256} << 10;
+constexpr size_t kSpanRatio = 16;
 // Disk tier: files grow by chunks of at least kDiskMinChunk; I/O moves
 // kDiskPiece at a time (fetch_file copies one piece while reading the next; a
 // disk-tier fetch's copies follow all of its reads, ~15x faster than the disk).
@@ -36,6 +46,10 @@ constexpr std::chrono::milliseconds kStagingOomBackoff{1000};
 
 inline size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 inline bool dense_enough(size_t span, size_t payload) { return span <= 2 * payload + kSpanSlack; }
+// Whether a span may hold a value of `smallest` bytes, its smallest, alive.
+inline bool retains_little(size_t span, size_t smallest) {
+  return span <= kSpanFloor || span <= kSpanRatio * smallest;
+}
 
 // True when the tensor's elements fill [data_ptr, data_ptr + nbytes) exactly
 // once (any dimension order, e.g. channels_last): its bytes can be copied as
@@ -85,11 +99,39 @@ inline at::Tensor empty_like_on(const at::Tensor& like, c10::Device device) {
                            like.options().device(device).requires_grad(false));
 }
 
+// Packed spans alive and the bytes of their live outputs (stats(): packed_spans,
+// packed_span_bytes, packed_output_bytes). Shared: outputs may outlive their engine.
+struct SpanTally {
+  std::atomic<size_t> spans{0}, span_bytes{0}, output_bytes{0};
+};
+
 // What the outputs of a packed span share: the span's allocation (a fetch's device or host
-// memory for a packed segment), alive while any of them is. Each output's storage holds one
-// SpanRef as its DataPtr context.
-struct SpanRef {
+// memory for a packed segment), alive while any of them is.
+struct SpanShare {
+  SpanShare(at::Tensor s, std::shared_ptr<SpanTally> t) : span(std::move(s)), tally(std::move(t)) {
+    ++tally->spans;
+    tally->span_bytes += span.nbytes();
+  }
+  ~SpanShare() {
+    --tally->spans;
+    tally->span_bytes -= span.nbytes();
+  }
+  SpanShare(const SpanShare&) = delete;
+  SpanShare& operator=(const SpanShare&) = delete;
   at::Tensor span;
+  std::shared_ptr<SpanTally> tally;
+};
+
+// Each output's storage holds one SpanRef as its DataPtr context (`bytes`: the output's).
+struct SpanRef {
+  SpanRef(std::shared_ptr<SpanShare> s, size_t b) : share(std::move(s)), bytes(b) {
+    share->tally->output_bytes += bytes;
+  }
+  ~SpanRef() { share->tally->output_bytes -= bytes; }
+  SpanRef(const SpanRef&) = delete;
+  SpanRef& operator=(const SpanRef&) = delete;
+  std::shared_ptr<SpanShare> share;
+  size_t bytes;
 };
 inline void release_span_ref(void* ref) { delete static_cast<SpanRef*>(ref); }
 
@@ -97,17 +139,19 @@ inline void release_span_ref(void* ref) { delete static_cast<SpanRef*>(ref); }
 inline at::Tensor allocation_of(const at::Tensor& t) {
   if (!t.has_storage()) return t;
   auto* ref = t.storage().data_ptr().cast_context<SpanRef>(&release_span_ref);
-  return ref != nullptr ? ref->span : t;
+  return ref != nullptr ? ref->share->span : t;
 }
 
 // A packed value's output inside `span`: its own storage over `p`, laid out like the dense
 // tensor `like`. The values of one span cost one allocation and one hand-over between them,
 // not one each. The storage is resizable with the span's allocator: grown, it moves to memory
 // of its own, as any tensor's would.
-inline at::Tensor output_in(const at::Tensor& span, void* p, const at::Tensor& like) {
+inline at::Tensor output_in(const std::shared_ptr<SpanShare>& share, void* p,
+                            const at::Tensor& like) {
+  const at::Tensor& span = share->span;
   return at::for_blob(p, like.sizes())
       .strides(like.strides())
-      .context(new SpanRef{span}, &release_span_ref)
+      .context(new SpanRef(share, like.nbytes()), &release_span_ref)
       .options(like.options().device(span.device()).requires_grad(false))
       .target_device(span.device())
       .resizeable_storage()

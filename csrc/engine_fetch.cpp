@@ -3,6 +3,9 @@
 // copy into one allocation, inside which each value's output is a storage of
 // its own (detail::output_in): one allocation and one hand-over per span.
 #include <algorithm>
+#include <functional>
+#include <map>
+#include <utility>
 
 #include "engine.h"
 #include "engine_detail.h"
@@ -23,49 +26,40 @@ struct Segment {
   const char* begin;
   size_t length;
   size_t payload;
+  size_t smallest;  // its smallest value's bytes: what the span may retain is bounded by it
   std::vector<size_t> items;
   HostBlock* block;
 };
 
 // Every output is a storage of its own, whatever the dedup did: values whose
-// bytes overlap in a span (one stored copy fetched twice, views of one value)
-// would share memory there. All but the first of each overlap leave the span
-// for an allocation of their own; a span left with one value copies only it.
-void split_overlapping(std::vector<Segment>* segments, const std::vector<Source>& sources) {
+// bytes overlap in a block (one stored copy fetched twice, views of one value)
+// would share memory in a span. Of each overlap, all but the first by address
+// go alone (marked here, before any span is formed, so they never count toward
+// one's payload: a span stays within twice the bytes of the outputs in it).
+std::vector<char> overlapping(std::vector<size_t> packable, const std::vector<Source>& sources) {
+  std::vector<char> apart(sources.size(), 0);
+  if (packable.size() < 2) return apart;
   const auto begin_of = [&](size_t i) {
     return static_cast<const char*>(sources[i].dense.data_ptr());
   };
-  const size_t count = segments->size();
-  for (size_t k = 0; k < count; ++k) {
-    if ((*segments)[k].items.size() < 2) continue;
-    std::vector<size_t> items = (*segments)[k].items;
-    std::sort(items.begin(), items.end(),
-              [&](size_t a, size_t b) { return begin_of(a) < begin_of(b); });
-    std::vector<size_t> kept, apart;
-    const char* end = nullptr;  // the furthest byte a kept value reaches
-    for (size_t i : items) {
-      const char* p = begin_of(i);
-      if (end != nullptr && p < end) {
-        apart.push_back(i);
-        continue;
-      }
-      kept.push_back(i);
-      end = p + sources[i].dense.nbytes();
+  std::sort(packable.begin(), packable.end(), [&](size_t a, size_t b) {
+    if (sources[a].block != sources[b].block) {
+      return std::less<const HostBlock*>()(sources[a].block, sources[b].block);
     }
-    if (apart.empty()) continue;
-    Segment& seg = (*segments)[k];
-    std::sort(kept.begin(), kept.end());  // the caller's order, as before
-    seg.items = std::move(kept);
-    if (seg.items.size() == 1) {
-      seg.begin = begin_of(seg.items[0]);
-      seg.length = seg.payload = sources[seg.items[0]].dense.nbytes();
+    return begin_of(a) < begin_of(b);
+  });
+  const HostBlock* block = nullptr;
+  const char* end = nullptr;  // the furthest byte a kept value of `block` reaches
+  for (size_t i : packable) {
+    const char* p = begin_of(i);
+    if (sources[i].block == block && p < end) {
+      apart[i] = 1;
+      continue;
     }
-    HostBlock* block = seg.block;  // seg is not used past this push_back
-    for (size_t i : apart) {
-      const size_t bytes = sources[i].dense.nbytes();
-      segments->push_back(Segment{begin_of(i), bytes, bytes, {i}, block});
-    }
+    block = sources[i].block;
+    end = p + sources[i].dense.nbytes();
   }
+  return apart;
 }
 
 }  // namespace
@@ -132,42 +126,48 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
                         [](c10::Device d) { return !d.is_cpu(); });
   const bool pack = backend_->packs_outputs(device);  // else one allocation per output
   for (c10::Device from : source_devices) {
-    // Segments: a host block's values move as one span while it stays dense enough.
+    // Segments: a host block's values move as one span while it stays dense enough and
+    // retains little (engine_detail.h). Values share a span only when their addresses agree
+    // modulo kPackAlign: the span starts at its lowest value, so every output starts
+    // kPackAlign-aligned in the allocation (itself aligned at least that much). Values stored
+    // together are, so they share one; views at other offsets (a slice) get spans of their own.
+    const auto packable = [&](size_t i) {
+      const Source& s = sources[i];
+      return pack && s.dense.defined() && s.dense.device() == from && s.block != nullptr &&
+             s.dense.nbytes() < kPackBytes;
+    };
+    std::vector<size_t> candidates;
+    for (size_t i = 0; i < n; ++i) {
+      if (packable(i)) candidates.push_back(i);
+    }
+    const std::vector<char> apart = overlapping(std::move(candidates), sources);
     std::vector<Segment> segments;
-    std::unordered_map<HostBlock*, size_t> open;  // block -> its packed segment
+    std::map<std::pair<HostBlock*, uintptr_t>, size_t> open;  // (block, address % align) -> span
     for (size_t i = 0; i < n; ++i) {
       const Source& s = sources[i];
       if (!s.dense.defined() || s.dense.device() != from) continue;
       const auto* p = static_cast<const char*>(s.dense.data_ptr());
       const size_t bytes = s.dense.nbytes();
-      if (pack && s.block != nullptr && bytes < kPackBytes) {
-        auto it = open.find(s.block);
+      if (packable(i) && !apart[i]) {
+        const auto key = std::make_pair(s.block, reinterpret_cast<uintptr_t>(p) % kPackAlign);
+        auto it = open.find(key);
         if (it != open.end()) {
           Segment& seg = segments[it->second];
           const char* lo = std::min(seg.begin, p);
           const size_t hi = std::max<size_t>(seg.begin + seg.length - lo, p + bytes - lo);
-          if (dense_enough(hi, seg.payload + bytes)) {
+          const size_t smallest = std::min(seg.smallest, bytes);
+          if (dense_enough(hi, seg.payload + bytes) && retains_little(hi, smallest)) {
             seg.begin = lo;
             seg.length = hi;
             seg.payload += bytes;
+            seg.smallest = smallest;
             seg.items.push_back(i);
             continue;
           }
         }
-        open[s.block] = segments.size();
+        open[key] = segments.size();
       }
-      segments.push_back(Segment{p, bytes, bytes, {i}, s.block});
-    }
-    split_overlapping(&segments, sources);
-    // Spans start at a kPackAlign boundary of their block, so every value keeps
-    // its alignment inside the staging buffer.
-    for (auto& seg : segments) {
-      if (seg.items.size() < 2) continue;
-      const auto base = reinterpret_cast<uintptr_t>(seg.block->block.ptr);
-      const auto lo = reinterpret_cast<uintptr_t>(seg.begin);
-      const size_t shift = (lo - base) % kPackAlign;
-      seg.begin -= shift;
-      seg.length += shift;
+      segments.push_back(Segment{p, bytes, bytes, bytes, {i}, s.block});
     }
 
     // From host memory: the H2D stream of the consumer's device (a host worker
@@ -201,11 +201,19 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
         } else {
           // One allocation for the span: its values' outputs are storages inside it.
           at::Tensor span = at::empty({static_cast<int64_t>(seg.length)}, bytes);
-          ops.push_back(CopyOp{span.data_ptr(), seg.begin, seg.length});
-          char* base = static_cast<char*>(span.data_ptr());
+          auto* base = static_cast<char*>(span.data_ptr());
+          if (reinterpret_cast<uintptr_t>(base) % kPackAlign != 0) {
+            // An allocator aligning less than kPackAlign (none of torch's): room to align.
+            span = at::empty({static_cast<int64_t>(seg.length + kPackAlign)}, bytes);
+            base = static_cast<char*>(span.data_ptr());
+            base += align_up(reinterpret_cast<uintptr_t>(base), kPackAlign) -
+                    reinterpret_cast<uintptr_t>(base);
+          }
+          ops.push_back(CopyOp{base, seg.begin, seg.length});
+          auto share = std::make_shared<SpanShare>(span, span_tally_);
           for (size_t i : seg.items) {
             const auto* p = static_cast<const char*>(sources[i].dense.data_ptr());
-            out[i] = output_in(span, base + (p - seg.begin), sources[i].dense);
+            out[i] = output_in(share, base + (p - seg.begin), sources[i].dense);
           }
           allocations.push_back(span);
           made.push_back(std::move(span));
@@ -270,10 +278,11 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
     // cudaMemcpyAsync returns only once the driver staged the source: the caller waited. (A disk
     // group's copies are issued by the I/O thread, which does that waiting.)
     if (dir == Dir::kFetch && !device.is_cpu() && bounces.empty()) {
+      // Its own blocks the engine knows; a foreign source is asked at most once per storage.
       const bool pinned_source = backend_->chunks().pinned();
       for (const Segment& seg : segments) {
         const bool pinned = seg.block != nullptr ? pinned_source && seg.block->pinned()
-                                                 : sources[seg.items[0]].dense.is_pinned();
+                                                 : foreign_pinned(sources[seg.items[0]].dense);
         if (!pinned) {
           ++backend_->counters.syncs;
           break;

@@ -171,7 +171,9 @@ void Engine::synchronize(bool check) {
     events = in_flight_.events();
   }
   for (auto& e : events) {
-    if (!backend_->query(e)) backend_->sync(e);
+    // A query refused for now (another thread's graph capture) is waited for, as the
+    // reaps below leave what they cannot ask about for a later call.
+    if (!is_complete(e, nullptr)) backend_->sync(e);
   }
   {
     Retire r = retiring();

@@ -19,12 +19,16 @@ void delete_host_block(void* ctx) {
 void HostBlock::add_fence(const EventPtr& event) {
   if (std::find(fences.begin(), fences.end(), event) != fences.end()) return;
   // Completed fences are dropped once a few have gathered: a query each, not
-  // every fence queried on every copy.
+  // every fence queried on every copy. Dropping is housekeeping: a query that
+  // fails (refused for now during another thread's graph capture, or for good
+  // on a broken context, which the engine's next reap raises) keeps every
+  // fence, and `event` is added all the same: its copy was issued.
   if (fences.size() >= 4) {
     Backend& backend = const_cast<Backend&>(engine->backend());
-    fences.erase(std::remove_if(fences.begin(), fences.end(),
-                                [&backend](const EventPtr& e) { return backend.query(e); }),
-                 fences.end());
+    try {
+      drop_completed(&fences, [&backend](const EventPtr& e) { return backend.query(e); });
+    } catch (const std::exception&) {  // NOLINT(bugprone-empty-catch): all kept, as above
+    }
   }
   fences.push_back(event);
 }

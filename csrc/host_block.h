@@ -38,7 +38,8 @@ struct HostBlock {
   bool staging = false;          // a snapshot's transient buffer
   bool pinned() const { return block.chunk < kRingChunk && !on_disk(block); }
   bool disk() const { return on_disk(block); }
-  // Adds `event` once; fences that completed are dropped now and then.
+  // Adds `event` once; fences that completed are dropped now and then. Never
+  // loses one: a query that throws while dropping keeps them all (needs mu_).
   void add_fence(const EventPtr& event);
 };
 

@@ -62,6 +62,10 @@ class _Stats(TypedDict):
     chunk_bytes: int
     chunk_seconds: float
     event_queries: int
+    pinned_queries: int
+    packed_spans: int
+    packed_span_bytes: int
+    packed_output_bytes: int
     threads_prepared: int
     chunks_made: int
     chunks_released: int
@@ -123,7 +127,7 @@ def _fail_next_task() -> None:
 def _format_check(value: int) -> str:
     """Build check: the string '[value, 0.5]' as the engine formats it."""
 
-def _fail_query_after(skip: int, transient: bool = False) -> None:
+def _fail_query_after(skip: int, transient: bool = False) -> bool:
     """Tests: the event query after the next `skip` ones raises, once."""
 
 def synchronize() -> None:

@@ -6,10 +6,13 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace offcache {
 
@@ -36,6 +39,33 @@ class Event {
 };
 
 using EventPtr = std::shared_ptr<Event>;
+
+// Drops from `events` those `query` reports complete, keeping the others in
+// order. Every query runs before anything moves: when one throws, `events` is
+// left exactly as it was (no event dropped, none moved from) and the exception
+// propagates. (std::remove_if would leave moved-from, empty entries behind.)
+template <class Query>
+void drop_completed(std::vector<EventPtr>* events, Query&& query) {
+  std::vector<EventPtr>& v = *events;
+  uint64_t done = 0;        // the first 64 events' answers
+  std::vector<char> later;  // any beyond (rare): one flag each
+  if (v.size() > 64) later.resize(v.size() - 64);
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (!query(v[i])) continue;
+    if (i < 64) {
+      done |= uint64_t{1} << i;
+    } else {
+      later[i - 64] = 1;
+    }
+  }
+  size_t kept = 0;
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (i < 64 ? (done >> i) & 1 : later[i - 64]) continue;
+    if (kept != i) v[kept] = std::move(v[i]);
+    ++kept;
+  }
+  v.resize(kept);
+}
 
 // A one-shot completion flag set by a host worker thread ("stream").
 class HostEvent final : public Event {

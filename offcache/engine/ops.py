@@ -202,10 +202,11 @@ def _fail_next_task() -> None:
     _C._fail_next_task()
 
 
-def _fail_query_after(skip: int, transient: bool = False) -> None:
+def _fail_query_after(skip: int, transient: bool = False) -> bool:
     """Tests only: the event query after the next `skip` ones raises, once (transient: as during
-    another thread's CUDA graph capture, a state asked again later; else as on a broken context)."""
-    _C._fail_query_after(skip, transient)
+    another thread's CUDA graph capture, a state asked again later; else as on a broken context).
+    skip < 0 disarms. Returns whether a fault armed before had not fired yet."""
+    return _C._fail_query_after(skip, transient)
 
 
 def warn_if_spilled(stacklevel: int = 2) -> None:
