@@ -68,6 +68,7 @@ except ModuleNotFoundError as _missing:  # one line naming the extra
 
 from loguru import logger  # llm-compressor's and compressed-tensors' logger: its INFO lines show
 
+from offcache import engine as _engine  # noqa: F401  (tests patch the engine through this module)
 from offcache.weights.bookkeeping import (
     _flush_all,
     _Prefetched,
