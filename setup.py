@@ -133,6 +133,7 @@ ENGINE = [
     "csrc/engine_in_flight.cpp",
     "csrc/engine_store.cpp",
     "csrc/host_block.cpp",
+    "csrc/shared_region.cpp",
     "csrc/bindings.cpp",
 ]
 CUDA_SOURCES = ["csrc/backend_cuda.cpp"]

@@ -21,6 +21,7 @@
 
 #include "backend_host.h"
 #include "cuda_check.h"
+#include "shared_region.h"
 
 namespace offcache {
 namespace {
@@ -301,6 +302,41 @@ class RelaxedCapture {
   cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
   bool ok_;
 };
+
+}  // namespace
+
+// offcache.weights.node's shared mappings (shared_region.h): registered on the calling thread in
+// relaxed capture mode, as the arena's chunks are, every return code checked.
+bool cuda_register_host(void* ptr, size_t bytes, std::string* error) {
+  cudaError_t err;
+  {
+    RelaxedCapture relaxed;
+    err = cudaHostRegister(ptr, bytes, cudaHostRegisterPortable);
+  }
+  if (err == cudaSuccess) return true;
+  (void)cudaGetLastError();
+  *error = std::string("cudaHostRegister of ") + std::to_string(bytes) +
+           " bytes failed: " + cudaGetErrorName(err) + ": " + cudaGetErrorString(err);
+  return false;
+}
+
+bool cuda_unregister_host(void* ptr, std::string* error) noexcept {
+  cudaError_t err;
+  {
+    RelaxedCapture relaxed;
+    err = cudaHostUnregister(ptr);
+  }
+  if (err == cudaSuccess) return true;
+  (void)cudaGetLastError();
+  try {
+    *error = std::string("cudaHostUnregister failed: ") + cudaGetErrorName(err) + ": " +
+             cudaGetErrorString(err);
+  } catch (...) {  // NOLINT(bugprone-empty-catch): no memory for the message
+  }
+  return false;
+}
+
+namespace {
 
 // Pinned chunks: page-touched anonymous memory registered with the driver,
 // much cheaper per GiB than cudaHostAlloc. Registration failure (memlock

@@ -4,6 +4,7 @@
 #include "backend_host.h"
 #include "engine.h"
 #include "engine_detail.h"
+#include "shared_region.h"
 
 #ifdef OFFCACHE_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -137,6 +138,20 @@ py::dict stats_dict() {
   OFFCACHE_FIELD(file_buffered_reads);
   OFFCACHE_FIELD(file_read_seconds);
 #undef OFFCACHE_FIELD
+  // Process-wide: the shared mappings (offcache.weights.node's region) this process holds.
+  const offcache::SharedStats sh = offcache::shared_stats();
+  d["shared_mapped_bytes"] = sh.mapped_bytes;
+  d["shared_registered_bytes"] = sh.registered_bytes;
+  d["shared_pinned_share_bytes"] = sh.pinned_share_bytes;
+  d["shared_mappings"] = sh.mappings;
+  d["shared_registrations"] = sh.registrations;
+  d["shared_register_failures"] = sh.register_failures;
+  d["shared_unregister_failures"] = sh.unregister_failures;
+  d["shared_register_seconds"] = sh.register_seconds;
+  d["shared_fetches"] = sh.fetches;
+  d["shared_fetch_bytes"] = sh.fetch_bytes;
+  d["shared_pinned_fetch_bytes"] = sh.pinned_fetch_bytes;
+  d["shared_deferred_unmaps"] = sh.deferred_unmaps;
   d["pinned"] = pinned;
   d["retired_engines"] = retired.first;
   d["retired_reserved_bytes"] = retired.second;
@@ -279,6 +294,36 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return hb != nullptr && hb->disk();
   });
   m.def("allocation_of", &offcache::detail::allocation_of);
+  m.def(
+      "map_shared",
+      [](int fd, size_t offset, size_t bytes, size_t ranks) {
+        offcache::EngineUse use;  // held for the whole call
+        auto& engine = *use;
+        engine.backend().check_process();
+        const bool cuda = engine.backend().kind() == offcache::BackendKind::kCuda;
+        offcache::SharedMapping m =
+            offcache::map_shared(fd, offset, bytes, ranks, cuda, engine.pinned_budget());
+        engine.refresh_shared_share();
+        return std::make_pair(std::move(m.bytes), std::move(m.reason));
+      },
+      py::arg("fd"), py::arg("offset"), py::arg("bytes"), py::arg("ranks"),
+      py::call_guard<py::gil_scoped_release>(),
+      "Map and register [offset, offset + bytes) of a shared file. Returns (uint8 tensor, reason "
+      "it is not registered or '').");
+  m.def("is_shared_tensor",
+        [](const at::Tensor& t) { return offcache::shared_span_of(t) != nullptr; });
+  m.def("is_pinned_shared_tensor", [](const at::Tensor& t) {
+    const offcache::SharedSpan* s = offcache::shared_span_of(t);
+    return s != nullptr && s->registered;
+  });
+  m.def("wait_shared_reads", &offcache::wait_shared_reads, py::call_guard<py::gil_scoped_release>(),
+        "Block until the copies reading a shared mapping's bytes completed.");
+  m.def("shared_word_add", &offcache::shared_word_add, py::arg("word"), py::arg("delta"),
+        "Atomically add to an 8-byte word of shared memory; returns the new value.");
+  m.def("_fail_register", &offcache::fail_register, py::arg("after"), py::arg("reason"),
+        "Tests: the registration of chunk `after` of the next map_shared fails, once.");
+  m.def("_set_register_chunk", &offcache::set_register_chunk, py::arg("chunk"),
+        "Tests: the largest registration of a shared mapping (0: 64 GiB).");
   m.def("engine_created", &offcache::global_engine_created);
   m.def("configure", &offcache::configure_global_engine, py::arg("backend"),
         py::arg("pinned_limit"), py::arg("min_chunk"), py::arg("max_in_flight"),

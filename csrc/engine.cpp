@@ -8,6 +8,7 @@
 #include <cstdlib>
 
 #include "engine_detail.h"
+#include "shared_region.h"
 
 namespace offcache {
 
@@ -19,7 +20,9 @@ Engine::Engine(std::unique_ptr<Backend> backend, ArenaOptions arena, size_t max_
       arena_(backend_->chunks(), arena),
       span_tally_(std::make_shared<SpanTally>()),
       max_in_flight_(max_in_flight),
+      pinned_budget_(arena.limit),
       disk_options_(std::move(disk)) {
+  arena_.set_limit(pinned_budget_ - std::min(pinned_budget_, shared_pinned_share()));
   if (!disk_options_.dir.empty()) {
     disk_ = std::make_unique<DiskSource>(disk_options_.dir);
     ArenaOptions options;
@@ -305,8 +308,19 @@ std::string Engine::take_spill_notice() {
 
 void Engine::set_limit(size_t bytes) {
   auto l = lock();
-  arena_.set_limit(bytes);
+  pinned_budget_ = bytes;
+  arena_.set_limit(bytes - std::min(bytes, shared_pinned_share()));
   spill_warned_ = false;
+}
+
+size_t Engine::pinned_budget() {
+  auto l = lock();
+  return pinned_budget_;
+}
+
+void Engine::refresh_shared_share() {
+  auto l = lock();
+  arena_.set_limit(pinned_budget_ - std::min(pinned_budget_, shared_pinned_share()));
 }
 
 void Engine::set_timing(bool on) {
@@ -497,6 +511,7 @@ EngineStats Engine::stats() {
   backend_->check_process();
   Retire r = retiring();
   reap_locked(r);
+  arena_.set_limit(pinned_budget_ - std::min(pinned_budget_, shared_pinned_share()));
   EngineStats s = stats_;
   s.in_flight_bytes = in_flight_.bytes();
   s.pinned_reserved_bytes = arena_.reserved_bytes();

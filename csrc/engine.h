@@ -174,7 +174,11 @@ class Engine {
   void set_timing(bool on);
 
   EngineStats stats();
+  // The pinned budget: the arena's limit is it less the shared mappings' share (shared_region.h),
+  // applied here, at stats() and at refresh_shared_share().
   void set_limit(size_t bytes);
+  size_t pinned_budget();
+  void refresh_shared_share();
   // A one-time message when values first spill to pageable memory ("" if none).
   std::string take_spill_notice();
   const Backend& backend() const { return *backend_; }
@@ -321,7 +325,8 @@ class Engine {
   EngineStats stats_;
   bool spill_warned_ = false;
   bool timing_ = false;
-  bool broken_ = false;  // a release found the CUDA context broken
+  size_t pinned_budget_ = 0;  // set_limit()'s bytes; the arena gets it less the shared share
+  bool broken_ = false;       // a release found the CUDA context broken
   Lifetime lifetime_;
   size_t staging_bytes_ = 0;  // host blocks used as snapshot staging (needs mu_)
   size_t device_notes_ = 0;   // note_device_access calls, for pruning the device maps

@@ -9,6 +9,7 @@
 
 #include "engine.h"
 #include "engine_detail.h"
+#include "shared_region.h"
 
 namespace offcache {
 
@@ -19,6 +20,7 @@ namespace {
 struct Source {
   at::Tensor dense;            // what the copy reads: conj/neg resolved, dense
   HostBlock* block = nullptr;  // the arena block `dense` lies in, if any
+  SharedSpan* span = nullptr;  // the shared mapping `dense` lies in, if any (shared_region.h)
 };
 
 // Items that move together: one span of one host block, or one value.
@@ -90,8 +92,8 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
   std::vector<Source> sources(n);
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& t = stored[i];
-    if (t.device() == device && host_block_of(t) == nullptr) {
-      // Already where it is wanted and not arena memory: no copy, like Tensor.to();
+    if (t.device() == device && host_block_of(t) == nullptr && shared_span_of(t) == nullptr) {
+      // Already where it is wanted and not arena (or shared) memory: no copy, like Tensor.to();
       // a peer store still filling it is waited for.
       if (pending[i]) backend_->current_wait(device, pending[i]);
       out[i] = t;
@@ -110,7 +112,9 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
       continue;
     }
     HostBlock* hb = d.is_alias_of(t) ? host_block_of(t) : nullptr;
-    sources[i] = Source{std::move(d), hb};
+    // A shared mapping is copied from like arena memory, one value a segment (not packed).
+    SharedSpan* span = d.is_alias_of(t) ? shared_span_of(t) : nullptr;
+    sources[i] = Source{std::move(d), hb, span};
     if (std::find(source_devices.begin(), source_devices.end(), t.device()) ==
         source_devices.end()) {
       source_devices.push_back(t.device());
@@ -281,8 +285,10 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
       // Its own blocks the engine knows; a foreign source is asked at most once per storage.
       const bool pinned_source = backend_->chunks().pinned();
       for (const Segment& seg : segments) {
-        const bool pinned = seg.block != nullptr ? pinned_source && seg.block->pinned()
-                                                 : foreign_pinned(sources[seg.items[0]].dense);
+        const Source& first = sources[seg.items[0]];
+        const bool pinned = seg.block != nullptr    ? pinned_source && seg.block->pinned()
+                            : first.span != nullptr ? first.span->registered
+                                                    : foreign_pinned(first.dense);
         if (!pinned) {
           ++backend_->counters.syncs;
           break;
@@ -304,6 +310,17 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
     // No snapshot is taken of a GPU source: later work on its stream must not
     // modify it before the copy has read it.
     if (!from.is_cpu()) backend_->current_wait(from, done);
+    // Shared mappings: their copies are fences (unregistered and unmapped after them) and counted.
+    size_t shared_bytes = 0;
+    bool shared_pinned = true;
+    for (size_t i = 0; i < n; ++i) {
+      const Source& src = sources[i];
+      if (src.span == nullptr || src.dense.device() != from || done == nullptr) continue;
+      src.span->add_fence(done);
+      shared_bytes += src.dense.nbytes();
+      shared_pinned = shared_pinned && src.span->registered;
+    }
+    if (shared_bytes > 0) note_shared_fetch(shared_bytes, shared_pinned);
     done_events.push_back(done);
   }
   EventPtr last = done_events.empty() ? nullptr : done_events.back();

@@ -40,6 +40,8 @@ from offcache.engine.ops import (
     _fail_next_copy,  # noqa: F401  (private: tests reach it through the package)
     _fail_next_task,  # noqa: F401  (private: tests reach it through the package)
     _fail_query_after,  # noqa: F401  (private: tests reach it through the package)
+    _fail_register,  # noqa: F401  (private: tests reach it through the package)
+    _set_register_chunk,  # noqa: F401  (private: tests reach it through the package)
     backend_name,
     build_info,
     copy_into,
@@ -49,14 +51,19 @@ from offcache.engine.ops import (
     is_arena_tensor,
     is_disk_tensor,
     is_offcache_tensor,
+    is_pinned_shared_tensor,
+    is_shared_tensor,
+    map_shared,
     record_stream,
     set_timing,
+    shared_word_add,
     stats,
     store,
     synchronize,
     trace_start,
     trace_stop,
     wait_on_host,
+    wait_shared_reads,
     wait_stored,
     warn_if_spilled,
 )
@@ -82,14 +89,18 @@ __all__ = [
     "is_arena_tensor",
     "is_disk_tensor",
     "is_offcache_tensor",
+    "is_pinned_shared_tensor",
+    "is_shared_tensor",
     "local_world_size",
     "make_disk_dir",
+    "map_shared",
     "memory_share",
     "parse_size",
     "record_stream",
     "set_pinned_limit",
     "set_timing",
     "settings",
+    "shared_word_add",
     "stats",
     "store",
     "synchronize",
@@ -97,6 +108,7 @@ __all__ = [
     "trace_start",
     "trace_stop",
     "wait_on_host",
+    "wait_shared_reads",
     "wait_stored",
     "warn_if_spilled",
 ]

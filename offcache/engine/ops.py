@@ -37,6 +37,7 @@ WEIGHT_COUNTERS: dict[str, int | float] = {
     "weight_prefetch_hits": 0,  # onloads served by a prefetched copy
     "weight_prefetch_misses": 0,  # onloads that fetched (with prefetch on)
     "weight_prefetch_skips": 0,  # prefetches not issued: no device memory, or the fetch failed
+    "weight_prefetch_stale": 0,  # prefetched copies not served: another rank wrote the weight since
     "weight_host_waits": 0,  # times the host blocked on a weight copy
     "weight_stream_waits": 0,  # onloads to a GPU whose copy was still in flight: its stream waited
     "weight_host_wait_seconds": 0.0,
@@ -51,6 +52,17 @@ def stats() -> dict:
     time), disk_fallbacks (direct I/O refused: buffered I/O instead), host_limit_bytes (with or
     without a disk tier). Model weights (``patch_llmcompressor(weights=True)``): the ``weight_*``
     keys of WEIGHT_COUNTERS.
+
+    Shared mappings (``offcache.weights.node``'s region; process-wide, every engine's):
+    shared_mapped_bytes (this process's live mappings of it), shared_registered_bytes (of them,
+    registered: pinned on CUDA, bookkeeping on the host backend), shared_pinned_share_bytes (what
+    they count against this process's pinned budget: each mapping's bytes divided by the node's
+    ranks, so the node's ranks together count the region once; ``pinned_limit_bytes``, the
+    arena's budget, is the pinned budget less it), shared_mappings, shared_registrations (chunk
+    registrations made), shared_register_failures (mappings left pageable),
+    shared_unregister_failures, shared_register_seconds, shared_fetches / shared_fetch_bytes
+    (fetches reading a mapping) and shared_pinned_fetch_bytes (of them, from registered ones),
+    shared_deferred_unmaps (dead mappings waiting for their copies).
     """
     return {**_C.stats(), **WEIGHT_COUNTERS}
 
@@ -170,6 +182,50 @@ def record_stream(t: Tensor, stream: torch.Stream) -> None:
     until `stream`'s work queued so far is done. A fetched value under 1 MiB is a storage inside one
     allocation shared with the values fetched with it, which ``Tensor.record_stream`` does not reach."""
     _C.allocation_of(t).record_stream(stream)
+
+
+def map_shared(fd: int, offset: int, nbytes: int, ranks: int) -> tuple[Tensor, str]:
+    """Map bytes [offset, offset + nbytes) of the shared file `fd` (page-aligned) and register the
+    mapping with the engine once: (its bytes as a uint8 CPU tensor, '' or why it is not registered).
+
+    On CUDA the mapping is pinned with cudaHostRegister in chunks of at most 64 GiB, under relaxed
+    capture mode; a failure unregisters the chunks made and leaves it pageable. The host backend
+    keeps the same bookkeeping without a driver call. Fetches copy from it as from the arena
+    (also to the CPU). `ranks` processes map these bytes: each counts 1/ranks of them against
+    its pinned budget. The tensor's storage owns the mapping: when it dies the mapping is
+    unregistered after the copies reading it, then unmapped.
+    """
+    return _C.map_shared(operator.index(fd), operator.index(offset), operator.index(nbytes), operator.index(ranks))
+
+
+def is_shared_tensor(t: Tensor) -> bool:
+    """True for a CPU tensor viewing a mapping made by map_shared()."""
+    return _C.is_shared_tensor(t)
+
+
+def is_pinned_shared_tensor(t: Tensor) -> bool:
+    """True for a CPU tensor viewing a registered mapping made by map_shared()."""
+    return _C.is_pinned_shared_tensor(t)
+
+
+def wait_shared_reads(t: Tensor) -> None:
+    """Block until the copies reading `t`'s shared mapping completed, so its bytes may be written."""
+    _C.wait_shared_reads(t)
+
+
+def shared_word_add(word: Tensor, delta: int) -> int:
+    """Atomically add `delta` to the 8-byte word `word` (shared memory; 0: a load); the new value."""
+    return _C.shared_word_add(word, delta)
+
+
+def _fail_register(after: int, reason: str) -> None:
+    """Tests only: the registration of chunk `after` of the next map_shared() fails, once."""
+    _C._fail_register(after, reason)
+
+
+def _set_register_chunk(nbytes: int) -> None:
+    """Tests only: register shared mappings in chunks of at most `nbytes` (0: 64 GiB)."""
+    _C._set_register_chunk(nbytes)
 
 
 def is_disk_tensor(t: Tensor) -> bool:

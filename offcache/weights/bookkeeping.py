@@ -5,8 +5,10 @@ the state they share and its rules:
 
 - prefetched copies (``_Prefetched``), keyed by the offloaded tensor, handed out
   (``_take_prefetched``) only while the source is unchanged: not updated, deleted or edited in
-  place (version counter), and, for a host copy, still holding the source's bytes
-  (``_same_bytes``, compared as the engine's dedup table compares CPU sources);
+  place (version counter), not written by another process since the fetch was issued (the
+  cache's ``_fresh`` with the ``_tag`` it gave then: the node region's generation), and, for
+  a host copy, still holding the source's bytes (``_same_bytes``, compared as the engine's
+  dedup table compares CPU sources);
 - the write-backs in flight (``_State.pending``) and the host waits that land them
   (``_flush``, ``_flush_all``);
 - what each outermost ``disable_offloading()`` context moved (``_Subgraph``,
@@ -39,6 +41,7 @@ class _Prefetched:
     version: int  # offloaded._version when fetched: an in-place edit since makes it stale
     target: int  # the subgraph it was fetched for; it dies with that subgraph's context
     nbytes: int
+    tag: Any = None  # cache._tag(offloaded) before the fetch was issued; cache._fresh judges it
 
 
 @dataclass
@@ -131,6 +134,9 @@ def _take_prefetched(offloaded: Tensor, device: torch.device) -> Tensor | None:
     if entry.offloaded is not offloaded or entry.device != device or entry.version != offloaded._version:
         return None  # stale (edited in place since) or for another device: fetch afresh
     _wait(entry.ticket, device)
+    if not entry.cache._fresh(offloaded, entry.tag):
+        COUNTERS["weight_prefetch_stale"] += 1
+        return None  # another process wrote the source since the fetch was issued
     if not _same_bytes(offloaded, entry.onloaded):
         return None  # edited through .data, an alias or numpy: no version counter saw it
     return entry.cache._finish(entry.onloaded, offloaded)  # after the wait: _finish may read it

@@ -127,8 +127,24 @@ def _stage_host(tensor: Tensor, pin_memory: bool) -> Tensor:
     return _like(stored, tensor)
 
 
-class _HostReads:
-    """What a host read or a delete does to a prefetched copy, for both classes (before their base)."""
+class EngineCache:
+    """What every cache onloading through the engine shares (before its compressed-tensors base):
+    a host read or a delete drops a tensor's prefetched copy; the prefetcher's hooks.
+
+    ``offcache.weights.compressed_tensors.prefetch`` fetches ahead the weights of caches of this
+    class, with their ``_fetch``; ``_prefetchable`` says whether a fetch ahead is worth issuing,
+    ``_tag`` what to remember of the source when it is issued, and ``_fresh`` (at the onload,
+    after the copy landed) whether the copy still holds the source's value by that tag.
+    """
+
+    def _prefetchable(self, offloaded: Tensor, device: torch.device) -> bool:
+        return True
+
+    def _tag(self, offloaded: Tensor) -> Any:
+        return None
+
+    def _fresh(self, offloaded: Tensor, tag: Any) -> bool:
+        return True
 
     def __getitem__(self, key):
         # Under disable_onloading() the caller reads the offloaded host tensor (a disk offload's
@@ -149,7 +165,7 @@ class _HostReads:
         super().__delitem__(key)
 
 
-class OffcacheCPUCache(_HostReads, CPUCache):
+class OffcacheCPUCache(EngineCache, CPUCache):
     """compressed-tensors' ``CPUCache``, its offload, onload and update on the offcache engine."""
 
     @catch_cpu_mem_error
@@ -176,6 +192,10 @@ class OffcacheCPUCache(_HostReads, CPUCache):
     def onload(self, offloaded: Tensor | None) -> Tensor | None:
         """A copy of `offloaded` on the onload device: the prefetched one if there is one."""
         return _onload(self, offloaded)
+
+    def _prefetchable(self, offloaded: Tensor, device: torch.device) -> bool:
+        # A CPU tensor offcache does not hold, onloaded to the CPU: a fetch hands it back itself.
+        return device.type != "cpu" or _engine.is_offcache_tensor(offloaded)
 
     def _fetch(self, offloaded: list[Tensor], device: torch.device) -> list[tuple[Tensor, Any]]:
         return _fetch_host(offloaded, device)
@@ -249,7 +269,7 @@ class _Ready:
         pass
 
 
-class OffcacheDiskCache(_HostReads, DiskCache):
+class OffcacheDiskCache(EngineCache, DiskCache):
     """compressed-tensors' ``DiskCache``, its onload reading the checkpoint's file through the engine.
 
     The offloaded meta tensors, ``DiskCache.index``, the checkpoint symlinks and the files an

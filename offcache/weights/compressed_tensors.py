@@ -6,8 +6,9 @@
   ``"cpu"`` offload and ``OffcacheDiskCache`` for ``"disk"`` (the classes ``offload_module``
   builds every module's cache from).
   Distributed runs get ``NodeSharedCPUCache`` (offcache/weights/node.py) for ``"cpu"`` (one
-  shared region per node, where a per-rank arena would hold one copy per rank) and keep
-  compressed-tensors' ``DistributedDiskCache`` for ``"disk"``.
+  shared region per node, where a per-rank arena would hold one copy per rank; its onloads are
+  engine fetches from the region, prefetched as below) and keep compressed-tensors'
+  ``DistributedDiskCache`` for ``"disk"``.
 - ``OffcacheCPUCache`` is compressed-tensors' ``CPUCache`` with its three device moves on
   the engine: ``offload`` snapshots into the pinned arena (and waits: the result is
   readable on return, as CPUCache's), ``onload`` is an engine fetch
@@ -67,7 +68,7 @@ except ModuleNotFoundError as _missing:  # one line naming the extra
 
 from loguru import logger  # llm-compressor's and compressed-tensors' logger: its INFO lines show
 
-from offcache import engine as _engine
+from offcache import engine as _engine  # noqa: F401  (tests patch the engine through this module)
 from offcache.weights.bookkeeping import (
     _flush_all,
     _Prefetched,
@@ -77,6 +78,7 @@ from offcache.weights.bookkeeping import (
 )
 from offcache.weights.caches import (
     COUNTERS,
+    EngineCache,
     OffcacheCPUCache,
     OffcacheDiskCache,
     _onload_device,
@@ -117,7 +119,7 @@ def _offloaded_of(modules) -> list[tuple[Any, Tensor]]:
     out = []
     for module in modules:
         for cache in (module._parameters, module._buffers):
-            if not isinstance(cache, (OffcacheCPUCache, OffcacheDiskCache)):
+            if not isinstance(cache, EngineCache):
                 continue
             for offloaded in cache.offloaded_values.values():
                 if offloaded is not None and id(offloaded) not in seen:
@@ -141,8 +143,8 @@ def prefetch(modules, target: int) -> int:
         # A weight this subgraph holds onloaded too (tied, shared) is fetched again, not aliased:
         # this subgraph may edit its onloaded copy in place (AWQ's grid search does, through
         # .data, which no version counter sees), and such edits die with its context.
-        if isinstance(cache, OffcacheCPUCache) and device.type == "cpu" and not _engine.is_offcache_tensor(offloaded):
-            continue  # a fetch would hand back the tensor itself: nothing to do ahead
+        if not cache._prefetchable(offloaded, device):
+            continue  # e.g. a fetch would hand back the tensor itself: nothing to do ahead
         groups.setdefault((device, type(cache)), []).append((cache, offloaded))
     issued = 0
     for (device, _), items in groups.items():
@@ -152,16 +154,17 @@ def prefetch(modules, target: int) -> int:
             COUNTERS["weight_prefetch_skips"] += 1
             logger.info(f"offcache weights: no room for a {nbytes}-byte prefetch on {device}, skipped")
             continue
+        tags = [cache._tag(offloaded) for cache, offloaded in items]  # before the copies are issued
         try:
             fetched = items[0][0]._fetch([offloaded for _, offloaded in items], device)
         except Exception as exc:  # noqa: BLE001  (an OOM, an unreadable file: the onload will say why)
             COUNTERS["weight_prefetch_skips"] += 1
             logger.info(f"offcache weights: prefetch of {nbytes} bytes on {device} skipped: {exc}")
             continue
-        for (cache, offloaded), (onloaded, ticket) in zip(items, fetched):
+        for (cache, offloaded), (onloaded, ticket), tag in zip(items, fetched, tags):
             # Not finished yet: _finish may read the copy (a dtype cast), which is still in flight.
             _state.prefetched[id(offloaded)] = _Prefetched(
-                offloaded, cache, onloaded, ticket, device, offloaded._version, target, offloaded.nbytes
+                offloaded, cache, onloaded, ticket, device, offloaded._version, target, offloaded.nbytes, tag
             )
         COUNTERS["weight_prefetch_bytes"] += nbytes
         issued += nbytes

@@ -28,29 +28,51 @@ tensor; this one:
 - counts the region once per node against offcache's host limit: the ranks' ``host_limit``
   shares together (``OFFCACHE_HOST_LIMIT`` x ``LOCAL_WORLD_SIZE``); a batch past it raises
   :class:`NodeRegionFullError` on every rank.
+- registers the region with the engine: every rank maps each batch once
+  (``offcache.engine.map_shared``; node_region.py holds the region) and registers that mapping
+  once: on CUDA ``cudaHostRegister`` in chunks of at most 64 GiB, in relaxed capture mode, every
+  return code checked, the chunks made undone on a failure, unregistered (after the copies still
+  reading it) before it is unmapped; ranks registering at the same time each register their own
+  mapping. The host backend keeps the same bookkeeping without a driver call. The region counts
+  once per node against the pinned budget: each rank counts 1/``node_ranks`` of every mapping
+  against its own (``offcache.stats()``' ``shared_pinned_share_bytes``; the arena's
+  ``pinned_limit_bytes`` is the budget less it).
+- onloads through the engine: an onload is an engine fetch from the region (asynchronous, from
+  pinned memory), and the sequential pipeline's subgraphs prefetch the next one's weights as
+  with one process (offcache.weights.compressed_tensors' prefetcher and bookkeeping.py's
+  rules). An onload to the CPU is a copy, as ``OffcacheCPUCache``'s (compressed-tensors' class
+  hands out the shared tensor itself there; the copy keeps its ``requires_grad``).
+- invalidates across processes: every tensor of the region has a generation word in it
+  (node_region.py's layout), odd while a rank's ``update_offload`` writes it and 2 more after;
+  a handed-out tensor under ``disable_onloading()`` (which its caller may write) adds 2. A
+  prefetched copy is served only if the generation it saw before its fetch was issued (even) is
+  the generation when it is used, so a write by another rank, after a barrier, is seen by a rank
+  that had prefetched the old value. (A direct write through a tensor handed out under
+  ``disable_onloading()`` after another rank's prefetch is not seen by that prefetch: the same
+  rule as with one process.)
 
-Everything else (onload, ``update_offload``: a copy into the shared bytes, visible to every rank
-of the node after a barrier; ``__delitem__``, ``disable_onloading`` / ``disable_offloading``,
-tied weights, tensor subclasses) is compressed-tensors' ``DistributedCPUCache`` / ``CPUCache``.
+``update_offload`` is compressed-tensors' ``offloaded.copy_(data)`` into the shared bytes, landed
+on return (visible to every rank of the node after a barrier, which an asynchronous write-back
+would not be), after this rank's copies still reading them. ``__delitem__``,
+``disable_onloading`` / ``disable_offloading``, tied weights and tensor subclasses are
+compressed-tensors' ``DistributedCPUCache`` / ``CPUCache``.
 
-Where memfd or the ``/proc`` hand-over is unavailable on any rank, one
-:class:`NodeRegionFallbackWarning` names the reason and compressed-tensors' own class is used
-by every rank.
+Fallbacks. Where memfd, the ``/proc`` hand-over or the registration of the region's first page
+(the probe every rank makes at set-up: a low memlock limit, the pinned budget) fails on any rank,
+one :class:`NodeRegionFallbackWarning` names the reason and every rank uses compressed-tensors'
+``DistributedCPUCache``: a region whose onloads copy from pageable memory would make every H2D
+copy block its caller, which is what compressed-tensors' class does already with less machinery.
+Where a later mapping cannot be registered (the memlock limit or the pinned budget reached
+mid-run, with tensors in the region already), one :class:`NodeRegionPinWarning` names the reason
+and that mapping's onloads are engine fetches from pageable memory (``stats()["unpinned"]``).
 
-Not yet: registering the region with CUDA (``cudaHostRegister`` of each mapped batch, through
-the engine) so onloads are asynchronous H2D copies from pinned memory; onloads are
-compressed-tensors' synchronous ``.to(device)`` for now. Space of deleted or replaced tensors is
-not reused (the region only grows until the run ends).
+Not yet: the sliced mode (each rank copies 1/N of a subgraph and the ranks all-gather it). The
+space of deleted or replaced tensors is not reused (the region only grows until the run ends).
 """
 
 from __future__ import annotations
 
-import bisect
-import fcntl
-import mmap
 import os
-import socket
-import struct
 import warnings
 from typing import Any
 
@@ -70,146 +92,35 @@ except ModuleNotFoundError as _missing:  # one line naming the extra
     ) from None
 
 from offcache import engine as _engine  # noqa: E402
+from offcache.weights.bookkeeping import _drop_prefetched  # noqa: E402
+from offcache.weights.caches import COUNTERS, EngineCache, _fetch_host, _like, _onload  # noqa: E402
+from offcache.weights.node_region import (  # noqa: E402
+    _ALIGN,
+    _WORD,
+    NodeRegion,
+    NodeRegionFallbackWarning,
+    NodeRegionFullError,
+    NodeRegionPinWarning,
+    NodeShapeMismatchError,
+    _round,
+    nbytes_of,
+    node_key,
+    node_limit,
+)
 
 __all__ = [
     "NodeRegion",
     "NodeRegionFallbackWarning",
     "NodeRegionFullError",
+    "NodeRegionPinWarning",
     "NodeShapeMismatchError",
     "NodeSharedCPUCache",
     "cache_class",
     "node_key",
+    "node_limit",
     "reset",
+    "stats",
 ]
-
-_PAGE = mmap.ALLOCATIONGRANULARITY
-_HEADER = _PAGE  # the first page holds the bump pointer (uint64)
-_GROW = 64 << 20  # the region grows in steps of this many bytes
-_ALIGN = 64  # each tensor's offset within a batch
-
-
-class NodeRegionFallbackWarning(UserWarning):
-    """The node region could not be set up: compressed-tensors' DistributedCPUCache is used."""
-
-
-class NodeRegionFullError(MemoryError):
-    """A batch would take the node's region past the node's host limit."""
-
-
-class NodeShapeMismatchError(RuntimeError):
-    """Ranks disagree on the shape or dtype of a tensor being offloaded."""
-
-
-def _round(n: int, to: int) -> int:
-    return (n + to - 1) // to * to
-
-
-def node_key() -> str:
-    """This process's node: torchrun's GROUP_RANK on this host (the host alone without torchrun)."""
-    group = os.environ.get("GROUP_RANK")
-    host = socket.gethostname()
-    return f"{host}/node{group}" if group is not None else host
-
-
-def node_limit() -> int:
-    """Bytes the node's region may hold: the node's ranks' host_limit shares together."""
-    return _engine.settings()["host_limit"] * _engine.local_world_size()
-
-
-class NodeRegion:
-    """One memfd, shared by the ranks of a node: a bump allocator in its first page, batches after.
-
-    Allocations and growth take ``flock`` on the file (every rank has its own open file
-    description, so the lock works between them). A batch's span is mapped once per process and
-    never unmapped: tensors view it, and the mapping lives as long as the process.
-    """
-
-    def __init__(self, fd: int, limit: int):
-        self.fd = fd
-        self.limit = limit
-        self._starts: list[int] = []  # sorted span starts (file offsets) mapped in this process
-        self._spans: dict[int, tuple[int, mmap.mmap, torch.Tensor]] = {}  # start -> (length, map, bytes)
-        self._addrs: list[tuple[int, int]] = []  # sorted (address where a span is mapped, its start)
-
-    @classmethod
-    def create(cls, name: str, limit: int) -> NodeRegion:
-        fd = os.memfd_create(name, os.MFD_CLOEXEC)
-        os.ftruncate(fd, _HEADER)
-        return cls(fd, limit)
-
-    @classmethod
-    def open(cls, pid: int, fd: int, limit: int) -> NodeRegion:
-        return cls(os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC), limit)
-
-    # -- allocation (under flock) --
-    def _locked(self, fn):
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-        try:
-            with mmap.mmap(self.fd, _HEADER, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as head:
-                (bump,) = struct.unpack_from("<Q", head, 0)
-                bump = bump or _HEADER
-                start, end = fn(bump)
-                if end > self.limit + _HEADER:
-                    raise NodeRegionFullError(
-                        f"offcache's node region ({node_key()}) would hold {end - _HEADER} bytes, past the "
-                        f"node's host limit of {self.limit} bytes (OFFCACHE_HOST_LIMIT x LOCAL_WORLD_SIZE)"
-                    )
-                if os.fstat(self.fd).st_size < end:
-                    os.ftruncate(self.fd, min(_round(end, _GROW), self.limit + _HEADER))
-                struct.pack_into("<Q", head, 0, max(bump, end))
-            return start
-        finally:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-
-    def allocate(self, nbytes: int) -> int:
-        """A new page-aligned span of `nbytes` (> 0): its file offset."""
-        return self._locked(lambda bump: (bump, bump + _round(nbytes, _PAGE)))
-
-    def reserve(self, start: int, nbytes: int) -> None:
-        """Make [start, start + nbytes) part of the region (another node's allocation, mirrored)."""
-        self._locked(lambda bump: (start, start + _round(nbytes, _PAGE)))
-
-    @property
-    def used(self) -> int:
-        with mmap.mmap(self.fd, _HEADER, mmap.MAP_SHARED, mmap.PROT_READ) as head:
-            return max(struct.unpack_from("<Q", head, 0)[0] - _HEADER, 0)
-
-    # -- mapping --
-    def span(self, start: int, nbytes: int) -> torch.Tensor:
-        """The bytes of the span starting at `start` (mapped on first use), as a uint8 tensor."""
-        if start not in self._spans:
-            length = _round(nbytes, _PAGE)
-            mapped = mmap.mmap(self.fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
-            data = torch.frombuffer(mapped, dtype=torch.uint8)
-            self._spans[start] = (length, mapped, data)
-            bisect.insort(self._starts, start)
-            bisect.insort(self._addrs, (data.data_ptr(), start))
-        return self._spans[start][2]
-
-    def storage(self, offset: int) -> tuple[torch.UntypedStorage, int]:
-        """The storage of the mapped span holding file offset `offset`, and the offset's byte in it."""
-        i = bisect.bisect_right(self._starts, offset) - 1
-        start = self._starts[i]
-        return self._spans[start][2].untyped_storage(), offset - start
-
-    def locate(self, tensor: torch.Tensor) -> int | None:
-        """The file offset of a CPU tensor's first byte if it lies in a span mapped here, else None."""
-        if tensor.device.type != "cpu" or not tensor.is_contiguous():
-            return None
-        ptr = tensor.data_ptr()
-        i = bisect.bisect_right(self._addrs, (ptr, float("inf"))) - 1
-        if i < 0:
-            return None
-        base, start = self._addrs[i]
-        if ptr + tensor.nbytes <= base + self._spans[start][0]:
-            return start + (ptr - base)
-        return None
-
-    def close(self) -> None:
-        self._spans.clear()
-        self._starts.clear()
-        self._addrs.clear()
-        os.close(self.fd)
 
 
 # --- the node group -------------------------------------------------------------------------------
@@ -249,11 +160,12 @@ def _setup() -> str:
     errors = [e for _, _, e in keys if e]
     node_keys = [k for k, _, _ in keys]
     leader = node_keys.index(key)
+    ranks = node_keys.count(key)  # the node's ranks: each maps the region
     region = None
     fd = -1
     if not errors and leader == dist.get_rank():
         try:
-            region = NodeRegion.create(f"offcache-weights-{key}", node_limit())
+            region = NodeRegion.create(f"offcache-weights-{key}", node_limit(), ranks)
             fd = region.fd
         except OSError as exc:
             error = f"{key}: memfd_create failed: {exc}"
@@ -262,9 +174,18 @@ def _setup() -> str:
     errors += [e for _, e in fds if e]
     if not errors and region is None:
         try:
-            region = NodeRegion.open(keys[leader][1], fds[leader][0], node_limit())
+            region = NodeRegion.open(keys[leader][1], fds[leader][0], node_limit(), ranks)
         except OSError as exc:
             error = f"{key}: opening the node region through /proc/{keys[leader][1]}/fd failed: {exc}"
+    if not errors and not error and region is not None:
+        # Every rank registers its mapping of the region's first page with the engine: where one
+        # cannot (a low memlock limit, no room in the pinned budget), every rank falls back.
+        try:
+            reason = region.register_probe()
+        except (OSError, RuntimeError) as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+        if reason:
+            error = f"{key} rank {dist.get_rank()}: registering the node region with the engine failed: {reason}"
     verdicts: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(verdicts, error)
     errors += [e for e in verdicts if e]
@@ -312,8 +233,13 @@ def _shape_of(t: torch.Tensor) -> tuple:
     return tuple(t.shape)
 
 
-class NodeSharedCPUCache(DistributedCPUCache):
-    """compressed-tensors' ``DistributedCPUCache`` with its offloads in the node's region, a batch at a time."""
+class NodeSharedCPUCache(EngineCache, DistributedCPUCache):
+    """compressed-tensors' ``DistributedCPUCache`` with its offloads in the node's region, a batch at
+    a time, and its onloads engine fetches from the region (prefetched as with one process)."""
+
+    def __init__(self, onload_device, offload_device=None):
+        super().__init__(onload_device, offload_device=offload_device)
+        self._region = _node.region if _node is not None else None  # the region its tensors live in
 
     @classmethod
     def from_mapping(cls, mapping, onload_device, offload_device=None, **kwargs):
@@ -323,6 +249,72 @@ class NodeSharedCPUCache(DistributedCPUCache):
 
     _key: Any = None  # the name __setitem__ is offloading, for messages
 
+    # -- onload: an engine fetch from the region (offcache.weights.caches' onload) --
+    def onload(self, offloaded: torch.Tensor | None) -> torch.Tensor | None:
+        """A copy of `offloaded` on the onload device: the prefetched one while its generation is
+        unchanged, else an engine fetch from the region (pinned where registered)."""
+        return _onload(self, offloaded)
+
+    def _fetch(self, offloaded: list[torch.Tensor], device: torch.device) -> list[tuple[torch.Tensor, Any]]:
+        return _fetch_host(offloaded, device)
+
+    def _finish(self, fetched: torch.Tensor, offloaded: torch.Tensor) -> torch.Tensor:
+        out = _like(fetched, offloaded, onloaded=True)
+        if _onload_is_cpu(self) and offloaded.requires_grad:
+            out.requires_grad_(True)  # compressed-tensors hands out the offloaded tensor itself there
+        return out
+
+    def _prefetchable(self, offloaded: torch.Tensor, device: torch.device) -> bool:
+        # A local tensor (assigned under disable_onloading) onloaded to the CPU: a fetch is a clone.
+        return device.type != "cpu" or _engine.is_shared_tensor(offloaded)
+
+    def _word(self, offloaded: torch.Tensor) -> torch.Tensor | None:
+        return self._region.word(offloaded) if self._region is not None else None
+
+    def _tag(self, offloaded: torch.Tensor) -> int | None:
+        """The generation before a prefetch is issued (-1: a rank is writing it: never fresh)."""
+        word = self._word(offloaded)
+        if word is None:
+            return None
+        generation = _engine.shared_word_add(word, 0)
+        return generation if generation % 2 == 0 else -1
+
+    def _fresh(self, offloaded: torch.Tensor, tag: int | None) -> bool:
+        """Whether no rank wrote `offloaded` since the prefetch was issued (its copy has landed)."""
+        if tag is None:
+            return True
+        word = self._word(offloaded)
+        return tag >= 0 and word is not None and _engine.shared_word_add(word, 0) == tag
+
+    def __getitem__(self, key):
+        # Handed out under disable_onloading(): the caller may write it directly, which no
+        # generation sees: the other ranks' prefetched copies of it are made stale now.
+        if self.onloading_disabled:
+            offloaded = self.offloaded_values.get(key)
+            word = self._word(offloaded) if offloaded is not None else None
+            if word is not None:
+                _engine.shared_word_add(word, 2)
+        return super().__getitem__(key)
+
+    @torch.no_grad()
+    def update_offload(self, offloaded: torch.Tensor, data: torch.Tensor | None) -> None:
+        """compressed-tensors' ``offloaded.copy_(data)`` into the shared bytes (landed on return:
+        visible to every rank of the node after a barrier), after this rank's copies still reading
+        them, between two steps of the tensor's generation (odd while writing)."""
+        if data is None:
+            return
+        _drop_prefetched(offloaded)
+        word = self._word(offloaded)
+        if word is None:  # not in the region (a local tensor): compressed-tensors' update
+            return super().update_offload(offloaded, data)
+        _engine.wait_shared_reads(offloaded)  # an onload's copy still in flight reads the old bytes
+        _engine.shared_word_add(word, 1)
+        try:
+            super().update_offload(offloaded, data)
+        finally:
+            _engine.shared_word_add(word, 1)
+
+    # -- offload: a batch per module --
     @catch_cpu_mem_error
     def offload(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
         if tensor is None:
@@ -344,6 +336,7 @@ class NodeSharedCPUCache(DistributedCPUCache):
         node = _node
         assert node is not None, "NodeSharedCPUCache is used only after cache_class() set up the node region"
         region = node.region
+        self._region = region
         source = get_source_rank()
         names = [name for name, t in mapping.items() if t is not None]
         out = dict.fromkeys(mapping)
@@ -351,24 +344,30 @@ class NodeSharedCPUCache(DistributedCPUCache):
         if is_source_process():
             header: Any
             entries: list[tuple] = []
-            new: list[tuple[int, torch.Tensor, int]] = []  # (entry index, cpu tensor, relative offset)
+            new: list[tuple[int, torch.Tensor]] = []  # (entry index, cpu tensor)
             try:
                 seen: dict[int, int] = {}  # id(tensor) -> entry index (tied within the batch)
-                total = 0
                 for name in names:
                     t = mapping[name]
                     if id(t) in seen:
-                        entries.append((name,) + entries[seen[id(t)]][1:])
+                        entries.append((name,) + tuple(entries[seen[id(t)]][1:]))
                         continue
                     seen[id(t)] = len(entries)
                     offset = region.locate(t)
-                    if offset is not None:  # already in the region (tied, or offloaded before)
-                        entries.append((name, "at", offset, t.dtype, _shape_of(t)))
+                    if offset is not None and region.word_at(offset) is not None:
+                        # already a tensor of the region (tied, or offloaded before): its generation too
+                        entries.append((name, "at", offset, t.dtype, _shape_of(t), -1))
                         continue
-                    rel = total
+                    new.append((len(entries), t))
+                    entries.append((name, "new", 0, t.dtype, _shape_of(t), len(new) - 1))
+                # The batch: its generation words, then its tensors.
+                total = _round(_WORD * len(new), _ALIGN) if new else 0
+                rels = []  # new tensor k's offset in the batch
+                for _, t in new:
+                    rels.append(total)
                     total = _round(total + max(t.nbytes, 1), _ALIGN)
-                    new.append((len(entries), t, rel))
-                    entries.append((name, "new", rel, t.dtype, _shape_of(t)))
+                # (a tie within the batch is an entry of its own with the first's index)
+                entries = [e[:2] + (rels[e[5]],) + e[3:] if e[1] == "new" else e for e in entries]
                 start = region.allocate(total) if total else -1
                 header = ("ok", source, node.keys[source], start, total)
             except (OSError, MemoryError) as exc:
@@ -391,7 +390,7 @@ class NodeSharedCPUCache(DistributedCPUCache):
                 data = region.span(start, total)
             if is_source_process():
                 with torch.no_grad():
-                    for _, t, rel in new:
+                    for (_, t), rel in zip(new, rels):
                         if t.nbytes:
                             data[rel : rel + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
             if node.multi and total:
@@ -406,8 +405,13 @@ class NodeSharedCPUCache(DistributedCPUCache):
                     f"rank {node.rank}: ranks disagree on the tensors offloaded: {sorted(map(str, missing))} "
                     f"(this rank has {sorted(map(str, names))})"
                 )
+            noted: set[int] = set()
+            for _, kind, rel, dtype, shape, index in entries:
+                if kind == "new" and index not in noted:
+                    noted.add(index)
+                    region.note(start + rel, nbytes_of(dtype, shape), start + _WORD * index)
             adopted: dict[int, torch.Tensor] = {}  # id(this rank's tensor) -> its offload (tied stay one)
-            for name, kind, offset, dtype, shape in entries:
+            for name, kind, offset, dtype, shape, _ in entries:
                 if kind == "new":
                     offset = start + offset
                 t = mapping[name]
@@ -451,14 +455,30 @@ class NodeSharedCPUCache(DistributedCPUCache):
         return target
 
 
+def _onload_is_cpu(cache) -> bool:
+    return torch.device(cache.onload_device).type == "cpu"
+
+
 def stats() -> dict:
-    """The node region's state in this process: bytes used, the limit, and the decision."""
+    """The node region's state in this process: bytes used, the limit, the decision, and what this
+    process registered of it (see offcache.stats()' shared_* keys for the engine's side)."""
     if _node is None:
         return {"decided": _decided, "fallback_reason": _fallback_reason}
+    region = _node.region
+    engine = _engine.stats()
     return {
         "decided": _decided,
         "node": _node.keys[_node.rank],
-        "used_bytes": _node.region.used,
-        "limit_bytes": _node.region.limit,
-        "mapped_spans": len(_node.region._starts),
+        "node_ranks": region.ranks,
+        "used_bytes": region.used,
+        "limit_bytes": region.limit,
+        "mapped_spans": len(region._starts),
+        # This process's mappings of the region (the probe page included), registered or not,
+        # and its share of them against its pinned budget: summed over the node's ranks, the
+        # region's bytes once.
+        "mapped_bytes": engine["shared_mapped_bytes"],
+        "registered_bytes": engine["shared_registered_bytes"],
+        "pinned_share_bytes": engine["shared_pinned_share_bytes"],
+        "unpinned": list(region.unpinned),
+        "stale_prefetches": COUNTERS["weight_prefetch_stale"],
     }

@@ -6,8 +6,9 @@ ones, parameters and plain tensors), assignments on every rank (new names, new s
 offloads), updates by one rank followed by a barrier, deletes, assignments and reads under
 disable_onloading(), and reads inside disable_offloading(), applied to both classes on both
 ranks. Every read must agree between the classes (values, dtypes, tensor types, whether a
-context hands out the same object again), and offcache's must agree between the ranks, with the
-values the test expects.
+context hands out the same object again: not outside disable_offloading(), where offcache's onload
+to the CPU is a copy and compressed-tensors' hands out the offloaded tensor itself), and offcache's
+must agree between the ranks, with the values the test expects.
 
 Tied weights are not drawn here: compressed-tensors 0.19's class maps the shared file once per name on
 the other ranks, so there a tied pair are two tensors and an update through one is not seen
@@ -140,6 +141,10 @@ class NodeMachine(RuleBasedStateMachine):
         mod = data.draw(st.sampled_from(sorted(self.expected)))
         per_rank = self.group.call("snapshot", mod, onloading, offloading)
         for rank, (ours, theirs) in enumerate(per_rank):
+            if onloading and not offloading:
+                # An onload to the CPU is a copy (an engine fetch); compressed-tensors' class hands out
+                # the offloaded tensor itself there, the same object every time: values only.
+                ours, theirs = ours[:1], theirs[:1]
             assert ours == theirs, (rank, ours, theirs)
             values = ours[0]
             assert sorted(values) == sorted(self.expected[mod]), (values, self.expected[mod])

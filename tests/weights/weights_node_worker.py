@@ -34,7 +34,7 @@ def _main(rank: int, world: int, port: int, conn, env: dict, setup: str | None) 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     if setup:
-        globals()[setup]()
+        _resolve(setup)()
     conn.send(("ready", os.getpid()))
     while True:
         msg = conn.recv()
@@ -42,10 +42,20 @@ def _main(rank: int, world: int, port: int, conn, env: dict, setup: str | None) 
             break
         fn, args = msg
         try:
-            conn.send(("ok", globals()[fn](*args)))
+            conn.send(("ok", _resolve(fn)(*args)))
         except BaseException as exc:  # noqa: BLE001
             conn.send(("err", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
     dist.destroy_process_group()
+
+
+def _resolve(fn: str):
+    """A function of this module by name, or of another one as 'module:function'."""
+    if ":" in fn:
+        import importlib
+
+        module, name = fn.split(":")
+        return getattr(importlib.import_module(module), name)
+    return globals()[fn]
 
 
 class WorkerError(RuntimeError):
@@ -243,9 +253,10 @@ def ours_values(mod: str) -> dict:
     cache = _S[mod][0]
     names = sorted(cache, key=str)
     values = {n: cache[n] for n in names}
+    offloaded = cache.offloaded_values  # ties: one offloaded tensor (an onload is a copy of it)
     return {
         "values": {n: _describe(v) for n, v in values.items()},
-        "ties": sorted((a, b) for a in names for b in names if a < b and values[a] is values[b]),
+        "ties": sorted((a, b) for a in names for b in names if a < b and offloaded[a] is offloaded[b]),
     }
 
 
