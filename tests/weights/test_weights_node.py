@@ -183,3 +183,18 @@ def test_inside_compressed_tensors_batch_offload_sync(group):
 
 def test_grad_parameters_empty_bool_float8_and_strided_tensors(group):
     assert group.call("edge_cases") == [[], []]
+
+
+def test_a_memory_error_logs_compressed_tensors_hint_on_every_rank(group):
+    """compressed-tensors' test_distributed_offload_logs_memory_hint and test_recv_offload_logs_memory_hint
+    for offcache's class: the source rank failing to allocate, or another rank failing to map, fails the
+    offload on every rank (no rank left in a collective), each logging compressed-tensors' remediation hint."""
+    for failing in (0, 1):
+        for how in ("setitem", "from_mapping"):
+            results = group.call("memory_error", failing, how)
+            for rank, result in enumerate(results):
+                assert "Cannot allocate memory" in result["error"], (failing, how, rank, result)
+                assert result["hint"], (failing, how, rank, result)
+    group.call("offload_ours", "after", [W], True)  # the group goes on
+    values = group.call("ours_values", "after")
+    assert values[0] == values[1]
