@@ -555,3 +555,35 @@ def memory_error(failing: int, how: str) -> dict:
         vars(region).pop(name, None)
         logger.remove(handler)
     return {"error": error, "hint": any("ran out of host RAM" in m for m in messages)}
+
+
+def pss_bytes(pid: int) -> int:
+    """A process's proportional set size (its private pages, and its share of each shared page)."""
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("Pss:"))
+
+
+def hold_weights(mod: str, how: str, n: int, mib: int) -> None:
+    """`n` weights of `mib` MiB each: in offcache's node region ("node"; the other ranks hold meta tensors,
+    as a model loaded on the source rank), or a copy per rank in compressed-tensors' CPUCache ("per_rank",
+    what each rank holds without a shared region). Then every rank reads every byte (its pages mapped)."""
+    import gc
+
+    from compressed_tensors.distributed import is_source_process
+    from compressed_tensors.offload.cache import CPUCache
+
+    from offcache.weights.node import NodeSharedCPUCache
+
+    real = how == "per_rank" or is_source_process()
+    shape = (mib << 18,)  # float32
+    mapping = {  # one allocation each (no temporaries left in the heap)
+        f"w{i}": torch.empty(shape).normal_(generator=torch.Generator().manual_seed(i)) if real else
+        torch.empty(shape, device="meta") for i in range(n)
+    }  # fmt: skip
+    cls = NodeSharedCPUCache if how == "node" else CPUCache
+    cache = cls.from_mapping(mapping, "cpu")
+    del mapping
+    gc.collect()
+    _S[mod] = (cache,)
+    for name in cache:
+        float(cache[name].sum())
