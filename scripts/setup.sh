@@ -15,10 +15,12 @@ state() {
     echo "tf=${OFFCACHE_TF_NEWEST:-} ct=${OFFCACHE_CT_NEWEST:-} python=$PYTHON"
     find csrc setup.py -type f | LC_ALL=C sort | xargs sha256sum
     ls -l --time-style=+%s offcache/_C*.so 2>&1 || true
-    ls .venv/lib/python*/site-packages .venv-tf-newest .venv-ct-newest 2>&1 || true  # what is installed
+    ls .venv/lib/python*/site-packages .venv-tf-newest .venv-ct-newest .ct-tests 2>&1 || true  # what is installed
   } | sha256sum
 }
-if [ -x .venv/bin/python ] && [ "$(cat .venv/.setup-state 2>/dev/null)" = "$(state)" ]; then
+# (A compressed-tensors test suite that could not be downloaded, .ct-tests/*.unavailable, is tried again.)
+if [ -x .venv/bin/python ] && [ "$(cat .venv/.setup-state 2>/dev/null)" = "$(state)" ] &&
+  ! ls .ct-tests/*.unavailable >/dev/null 2>&1; then
   echo "setup.sh: .venv, the engine and the overlays are up to date (nothing changed since the last setup.sh)"
   exit 0
 fi
@@ -48,5 +50,8 @@ fi
 # tests (scripts/test.sh runs them on both versions).
 bash scripts/setup_tf_newest.sh
 bash scripts/setup_ct_newest.sh
+# compressed-tensors' own tests from its sdists (tests/weights/test_ct_own_dist_tests.py; without the
+# package index a warning, and that test is skipped).
+bash scripts/setup_ct_tests.sh
 .venv/bin/python -c "import offcache, json; print('offcache', json.dumps(offcache.build_info()))"
 state >.venv/.setup-state

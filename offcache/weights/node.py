@@ -331,6 +331,7 @@ class NodeSharedCPUCache(EngineCache, DistributedCPUCache):
     def _name(self, name) -> str:
         return str(self._key if name is None else name)
 
+    @catch_cpu_mem_error  # compressed-tensors' remediation hint, as its from_mapping logs it (per offload)
     def _offload_batch(self, mapping: dict) -> dict:
         """Offload every tensor of `mapping` (name -> tensor or None): one broadcast, one all_gather."""
         node = _node

@@ -183,3 +183,41 @@ def test_inside_compressed_tensors_batch_offload_sync(group):
 
 def test_grad_parameters_empty_bool_float8_and_strided_tensors(group):
     assert group.call("edge_cases") == [[], []]
+
+
+def test_a_memory_error_logs_compressed_tensors_hint_on_every_rank(group):
+    """compressed-tensors' test_distributed_offload_logs_memory_hint and test_recv_offload_logs_memory_hint
+    for offcache's class: the source rank failing to allocate, or another rank failing to map, fails the
+    offload on every rank (no rank left in a collective), each logging compressed-tensors' remediation hint."""
+    for failing in (0, 1):
+        for how in ("setitem", "from_mapping"):
+            results = group.call("memory_error", failing, how)
+            for rank, result in enumerate(results):
+                assert "Cannot allocate memory" in result["error"], (failing, how, rank, result)
+                assert result["hint"], (failing, how, rank, result)
+    group.call("offload_ours", "after", [W], True)  # the group goes on
+    values = group.call("ours_values", "after")
+    assert values[0] == values[1]
+
+
+def test_node_host_memory_is_one_copy_where_per_rank_copies_are_two():
+    """PSS summed over the 2 ranks (each shared page counted once, split between the ranks that map it):
+    offcache's region adds at most 1.1x the weights' bytes; a copy per rank (compressed-tensors' CPUCache
+    on each rank) adds about 2x, measured in the same ranks."""
+    from tests.weights.weights_node_worker import pss_bytes
+
+    n, mib = 4, 16
+    weights = n * mib << 20
+    g = Group(2, setup="setup_node")  # fresh ranks: nothing of other tests freed while measuring
+    try:
+        before = sum(map(pss_bytes, g.pids))
+        g.call("hold_weights", "node", "node", n, mib)
+        shared = sum(map(pss_bytes, g.pids))
+        g.call("hold_weights", "per_rank", "per_rank", n, mib)
+        per_rank = sum(map(pss_bytes, g.pids))
+    finally:
+        g.close()
+    node_ratio, per_rank_ratio = (shared - before) / weights, (per_rank - shared) / weights
+    print(f"node region: {node_ratio:.3f}x the weights, a copy per rank: {per_rank_ratio:.3f}x")
+    assert 0.95 <= node_ratio <= 1.1, (node_ratio, per_rank_ratio)
+    assert 1.9 <= per_rank_ratio <= 2.2, (node_ratio, per_rank_ratio)
