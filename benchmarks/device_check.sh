@@ -182,8 +182,9 @@ elif what == "ranks":
         if "skipped" in v:
             out.append(f"{v['impl']} skipped: {v['skipped'][:80]}")
         elif v.get("impl") != "goals":
+            onload = f"{x(v.get('onload_over_raw'))} of raw" if v.get("onload_copies") else "no copy"
             out.append(
-                f"{v['impl']} PSS {x(v.get('pss_over_weights'))}x, onload {x(v.get('onload_over_raw'))} of raw, "
+                f"{v['impl']} PSS {x(v.get('pss_over_weights'))}x, onload {onload}, "
                 f"{x(v.get('collectives_per_module'), '.0f')} coll/module"
             )
     goals = row(rows, impl="goals")
