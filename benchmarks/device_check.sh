@@ -24,6 +24,10 @@
 #   weights  offcache.bench weights --quick: offloaded weights (CPU and disk), compressed-tensors'
 #            caches against offcache's; its headline judges the weights bars (weight H2D >= 90 %
 #            of raw pinned, <= 1 host wait per subgraph and <= 5 % of wall waiting, with prefetch)
+#   ranks    offcache.bench weights --ranks 2 --quick: two ranks on the one GPU (gloo), offloaded weights
+#            under torch.distributed: compressed-tensors' DistributedCPUCache (left out when /dev/shm
+#            has no room), offcache's node region, per-rank copies; node PSS, setup and pinning s/GiB,
+#            onload per rank against raw pinned, collectives (the sliced mode needs 2 GPUs: not run)
 #   oneshot  llm-compressor's sequential GPTQ W4A16 (--quick: 4 layers of hidden 2048, 64
 #            samples), its cache vs offcache, prefetch off/on (its weights-offloaded rows left
 #            out, OFFCACHE_BENCH_ONESHOT_WEIGHTS=0: over budget)
@@ -172,6 +176,22 @@ elif what == "weights":
         v = row(rows, impl=impl)
         if v:
             out.append(f"{impl} {x(v.get('vs_compute_only'))}x compute-only")
+elif what == "ranks":
+    rows = r.get("weights_ranks") or []
+    for v in rows:
+        if "skipped" in v:
+            out.append(f"{v['impl']} skipped: {v['skipped'][:80]}")
+        elif v.get("impl") != "goals":
+            onload = f"{x(v.get('onload_over_raw'))} of raw" if v.get("onload_copies") else "no copy"
+            out.append(
+                f"{v['impl']} PSS {x(v.get('pss_over_weights'))}x, onload {onload}, "
+                f"{x(v.get('collectives_per_module'), '.0f')} coll/module"
+            )
+    goals = row(rows, impl="goals")
+    for name, g in goals.items():
+        if isinstance(g, dict) and "bar" in g:
+            verdict = "" if g.get("pass") is None else (" ok" if g["pass"] else " MISSED")
+            out.append(f"{name} {x(g.get('value'))} ({g['bar']}){verdict}")
 elif what == "oneshot":
     rows = r.get("oneshot") or []
     compared = [v for v in rows if v.get("bit_identical") is not None]
@@ -212,12 +232,13 @@ EOF
 
 headline() { "$PY" "$WORK/headline.py" "$@" 2>/dev/null | head -c 1200; }
 
-NAMES=(wheels build gpu tests bench weights oneshot kv soak)
+NAMES=(wheels build gpu tests bench weights ranks oneshot kv soak)
 declare -A DEADLINE CMD WHY HEAD
 # GPU deadlines: they add up to the budget (tests/bench/test_device_check.py checks it). Sized from the
 # first H200 runs (2026-12-04): build 36 s, gpu 69 s on 8 workers, bench 21 s + plots, weights
-# over 40 s, oneshot 29 s, kv 37 s, soak 5 s.
-DEADLINE=([wheels]=5 [build]=60 [gpu]=70 [tests]=75 [bench]=35 [weights]=35 [oneshot]=40 [kv]=30 [soak]=10)
+# over 40 s, oneshot 29 s, kv 37 s, soak 5 s. ranks (not run on a GPU yet) took its 25 s from
+# build's, bench's and oneshot's margins.
+DEADLINE=([wheels]=5 [build]=48 [gpu]=70 [tests]=75 [bench]=30 [weights]=35 [ranks]=25 [oneshot]=32 [kv]=30 [soak]=10)
 # pytest-xdist (carried in .whl/) spreads the suite over the machine's cores; without it, one process.
 printf '#!/usr/bin/env bash\n"%s" -c "import xdist" 2>/dev/null && echo "-n $1"\n' "$PY" >"$WORK/xdist"
 CMD[wheels]="ls .whl/*.whl >/dev/null 2>&1 || { echo 'no .whl/: run bash scripts/device_wheels.sh before the device run, and carry .whl'; exit 3; }
@@ -240,11 +261,12 @@ else
 fi
 CMD[bench]="'$PY' -m offcache.bench transfer overlap small pipeline $SIZE --out '$BENCH'"
 CMD[weights]="'$PY' -m offcache.bench weights $SIZE --out '$BENCH'"
+CMD[ranks]="'$PY' -m offcache.bench weights --ranks 2 $SIZE --out '$BENCH'"
 CMD[oneshot]="CUBLAS_WORKSPACE_CONFIG=:4096:8 OFFCACHE_BENCH_ONESHOT_WEIGHTS=0 '$PY' -m offcache.bench oneshot $SIZE --out '$BENCH'"
 CMD[kv]="'$PY' -m offcache.bench kv $SIZE --out '$BENCH'"
 CMD[soak]="'$PY' -m offcache.bench soak $SIZE --out '$BENCH'"
 HEAD=([wheels]="" [build]="build $LOGS/build_info.json" [gpu]="tests $LOGS/gpu.log" [tests]="tests $LOGS/tests.log"
-  [bench]="bench $BENCH/results.json" [weights]="weights $BENCH/results.json" [oneshot]="oneshot $BENCH/results.json" [kv]="kv $BENCH/results.json"
+  [bench]="bench $BENCH/results.json" [weights]="weights $BENCH/results.json" [ranks]="ranks $BENCH/results.json" [oneshot]="oneshot $BENCH/results.json" [kv]="kv $BENCH/results.json"
   [soak]="soak $BENCH/results.json")
 if [ "$DRY" = 1 ]; then
   WHY[wheels]="dry run: this Python has the packages (the wheels are for CPython 3.12)"
@@ -252,7 +274,7 @@ if [ "$DRY" = 1 ]; then
   WHY[gpu]="dry run: no GPU"
   # A busy 2-core machine, no build and no GPU steps: the same budget, the time of the skipped
   # steps given to the CPU-bound ones.
-  DEADLINE+=([tests]=70 [bench]=40 [weights]=35 [oneshot]=60 [kv]=40 [soak]=20)
+  DEADLINE+=([tests]=70 [bench]=40 [weights]=35 [ranks]=45 [oneshot]=60 [kv]=40 [soak]=20)
 fi
 
 {

@@ -8,7 +8,9 @@ between implementations measured in the same run mean anything.
 Sections: all (transfer, overlap, small, pipeline, kv), transfer, overlap,
 small, pipeline (with pinned and timeline), kv, soak, oneshot, disk (the disk
 tier; its folder is OFFCACHE_BENCH_DISK_DIR, else the temp folder), weights
-(compressed-tensors' offloaded weights: its CPUCache against offcache's). Each section
+(compressed-tensors' offloaded weights: its CPUCache against offcache's; with --ranks N,
+under torch.distributed: N local ranks, its DistributedCPUCache against offcache's node-shared
+region and per-rank copies, in results.json's "weights_ranks"). Each section
 merges its results into DIR/results.json, keeping what earlier runs wrote there,
 and records its command, date, device and build under "runs"; the plots are
 redrawn from everything the file holds.
@@ -72,7 +74,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="folder for results.json and plots")
     p.add_argument("--device", default=None, help="cuda:N (default: cuda:0 if present, else cpu)")
     p.add_argument("--ops", type=int, default=None, help="soak: operations (default 100000; --quick 30000)")
+    p.add_argument("--ranks", type=int, default=None, metavar="N",
+                   help="weights: run it under torch.distributed with N local ranks (gloo; N >= 2)")  # fmt: skip
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.ranks is not None:
+        if args.ranks < 2:
+            p.error(f"--ranks must be >= 2 (the ranks of one node), got {args.ranks}")
+        if "weights" not in sections_of(args):
+            p.error("--ranks applies to the weights section only: python -m offcache.bench weights --ranks N")
     args.command = " ".join([prog(), shlex.join(sys.argv[1:] if argv is None else argv)]).strip()
     return args
 
@@ -117,11 +126,20 @@ def run_section(name: str, ctx: Context, args: argparse.Namespace) -> dict:
         from offcache.bench.disk import run_disk
 
         return {"disk": run_disk(ctx)}
+    if name == "weights" and getattr(args, "ranks", None):
+        from offcache.bench.weights_ranks import run_weights_ranks
+
+        return {"weights_ranks": run_weights_ranks(ctx, args.ranks)}
     if name == "weights":
         from offcache.bench.weights import run_weights
 
         return {"weights": run_weights(ctx)}
     raise ValueError(f"unknown section {name!r}")
+
+
+def _run_key(name: str, args: argparse.Namespace) -> str:
+    """The name a section's run is recorded under ("weights_ranks" for weights --ranks N)."""
+    return "weights_ranks" if name == "weights" and getattr(args, "ranks", None) else name
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -145,7 +163,7 @@ def run(args: argparse.Namespace) -> dict:
         results = load_results(path)  # re-read: another run may have added sections meanwhile
         results.update(measured)
         results.get("skipped", {}).pop(name, None)
-        results.setdefault("runs", {})[name] = run_info(ctx, args.command)
+        results.setdefault("runs", {})[_run_key(name, args)] = run_info(ctx, args.command)
         results.update(
             device=device_info(device),
             backend=backend,
@@ -250,6 +268,10 @@ def summary(r: dict, names=SECTIONS) -> str:
         from offcache.bench import weights
 
         lines.extend(weights.summary_lines(r["weights"]))
+    if "weights" in names and r.get("weights_ranks"):
+        from offcache.bench import weights_ranks
+
+        lines.extend(weights_ranks.summary_lines(r["weights_ranks"]))
     return "\n".join(lines)
 
 

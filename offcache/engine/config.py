@@ -131,14 +131,16 @@ def local_world_size() -> int:
     return _parse_int(raw, "LOCAL_WORLD_SIZE (set by torchrun: processes on this host)", low=1)
 
 
-def memory_share(value: str | int, what: str) -> int:
+def memory_share(value: str | int, what: str, ranks: int | None = None) -> int:
     """A memory limit for this process: bytes as given; a percentage of memory divided among the local ranks.
 
     The ranks of a torchrun job on one host share its memory (and its cgroup), so '50%' means
-    half of it for all of them together, not for each.
+    half of it for all of them together, not for each. `ranks`: the local ranks (default:
+    LOCAL_WORLD_SIZE; the planner gives the job's).
     """
     n = parse_size(value, what)
-    return n // local_world_size() if isinstance(value, str) and value.strip().endswith("%") else n
+    ranks = local_world_size() if ranks is None else ranks
+    return n // ranks if isinstance(value, str) and value.strip().endswith("%") else n
 
 
 def default_pinned_limit() -> int:
@@ -248,7 +250,10 @@ def configure(
     _C.configure(disk_dir=disk_path, **settings)
     _disk.arm(disk_path, host_bytes)
     _resolved.clear()
-    _resolved.update(settings, disk_dir=disk_path, disk_auto_reason=auto_reason)
+    # limit_specs: the limits as given (a percentage is shared by the local ranks: the planner
+    # recomputes them for another number of ranks)
+    _resolved.update(settings, disk_dir=disk_path, disk_auto_reason=auto_reason,
+                     limit_specs={"pinned_limit": limit, "host_limit": host})  # fmt: skip
 
 
 def set_pinned_limit(limit: str | int) -> None:
@@ -259,3 +264,4 @@ def set_pinned_limit(limit: str | int) -> None:
     n = memory_share(limit, "set_pinned_limit(limit)")
     _C.set_pinned_limit(n)
     _resolved["pinned_limit"] = n
+    _resolved.setdefault("limit_specs", {})["pinned_limit"] = limit

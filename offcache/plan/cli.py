@@ -18,7 +18,7 @@ from offcache.util.units import seconds_text as _seconds
 # The lines whose numbers depend on the machine (its memory, GPU, disk, offcache's configuration);
 # every other line is the planner's arithmetic on the model and the run.
 MACHINE_LINES = ("This machine:", "  the peak would use:", "  placed:", "  disk tier (this machine", "  weight onloads",
-                 "Advice: On this machine", "  in flight:")  # fmt: skip
+                 "Advice: On this machine", "  in flight:", "  per node:")  # fmt: skip
 
 
 def render(p: _plan.Plan) -> str:
@@ -34,6 +34,13 @@ def render(p: _plan.Plan) -> str:
                              if p.method == "traced" else f"Llama formula (FALLBACK: {p.method_reason})"),
     ]  # fmt: skip
     out += [f"  note: {n}" for n in p.notes]
+    n = p.node
+    if n.world_size > 1:
+        out.append(
+            f"torchrun job: {n.nproc_per_node} ranks per node x {n.nnodes} node{'s' if n.nnodes > 1 else ''} = "
+            f"{n.world_size} ranks; each rank caches its share, up to {n.samples_per_rank} of {p.samples} samples "
+            "(llm-compressor splits the calibration set): the cache lines below are one rank's"
+        )
     out.append(f"Calibration set in the cache: {_h(p.input_bytes)}")
     out.append("Per subgraph (stored after it: per batch, all batches; the cache's peak meanwhile; its weights):")
     runs: list[list[_plan.Boundary]] = []  # consecutive boundaries alike but for the target, printed as one line
@@ -84,6 +91,13 @@ def render(p: _plan.Plan) -> str:
                    f"subgraph: {_h(w.onload_bytes)} ({_h(w.onload_disk_bytes)} from disk) [GPU {_h(w.gpu_bytes)}, "
                    f"{w.gpu_source}: they do not fit 90% of it]")  # fmt: skip
     disk = f"{t.disk_dir} ({_h(t.disk_free_bytes)} free)" if t.disk_dir else f"none ({t.disk_auto_reason or 'off'})"
+    if n.world_size > 1:
+        out.append(
+            f"  per node: {n.nproc_per_node} caches in host memory {_h(n.cache_host_bytes)} (disk "
+            f"{_h(n.cache_disk_bytes)}), offloaded weights once {_h(n.weight_host_bytes)} (one region shared by "
+            f"the node's ranks, at most {_h(n.weight_region_limit_bytes)}; one copy per rank would be "
+            f"{_h(n.per_rank_copies_bytes)}): host memory {_h(n.host_bytes)}"
+        )
     out += [
         f"This machine: memory {_h(t.memory_bytes)} (RAM or cgroup limit); pinned budget {_h(t.pinned_limit_bytes)}, "
         f"host limit {_h(t.host_limit_bytes)}, disk tier {disk}",
@@ -163,6 +177,11 @@ def main(argv=None) -> int:
     disk = ap.add_mutually_exclusive_group()
     disk.add_argument("--disk-gbps", type=_positive_float, help="the disk tier's bandwidth, each direction")
     disk.add_argument("--bench-results", help="results.json of python -m offcache.bench disk: its measured disk tier")
+    ap.add_argument("--nproc-per-node", type=_positive_int, metavar="N",
+                    help="a torchrun job's ranks per node (default: LOCAL_WORLD_SIZE, else 1): each caches its "
+                    "share of the samples; offloaded weights count once per node")  # fmt: skip
+    ap.add_argument("--nnodes", type=_positive_int, metavar="M",
+                    help="a torchrun job's nodes (default: WORLD_SIZE / LOCAL_WORLD_SIZE, else 1)")  # fmt: skip
     ap.add_argument("--json", action="store_true", help="print the Plan as JSON")
     a = ap.parse_args(argv)
     shape = config = None
@@ -200,7 +219,7 @@ def main(argv=None) -> int:
                 propagate_error=not a.no_propagate_error, uniform_lengths=a.uniform_lengths,
                 gpu_bytes=None if a.gpu_gib is None else int(a.gpu_gib * _plan.GiB),
                 pinned_gbps=a.pinned_gbps, pageable_gbps=a.pageable_gbps, disk_write_gbps=write,
-                disk_read_gbps=read,
+                disk_read_gbps=read, nproc_per_node=a.nproc_per_node, nnodes=a.nnodes,
             )  # fmt: skip
     except MissingExtraError as exc:
         ap.exit(2, f"{ap.prog}: {exc}\n")  # one line: what to install

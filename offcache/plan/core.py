@@ -30,6 +30,7 @@ import torch
 
 from offcache import engine as _engine
 from offcache.engine import machine as _machine
+from offcache.plan import ranks as plan_ranks
 from offcache.plan import sim as plan_sim
 from offcache.plan import trace as plan_trace
 from offcache.util.config import load_config
@@ -165,6 +166,9 @@ class Plan:
     seconds_disk: float  # the cache's disk writes and reads
     seconds_weights: float  # the weight onloads: host part at pageable bandwidth, disk part at disk bandwidth
     advice: list[str]
+    # A torchrun job's node (offcache.plan.ranks): the lines above are one rank's (its share of the
+    # samples, its cache, its limits); the weights are once per node. One process: 1 rank, 1 node.
+    node: plan_ranks.Node
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -389,7 +393,7 @@ def _host_limit_text(n: int) -> str:
 
 
 def _advice(p_peak: int, tiers: Tiers, weights: Weights, method: str, reason: str, bounded: bool,
-            in_flight: tuple[int, int, int] | None) -> list[str]:  # fmt: skip
+            in_flight: tuple[int, int, int] | None, nproc: int = 1) -> list[str]:  # fmt: skip
     out = []
     if in_flight is not None:
         more, bound, limit = in_flight
@@ -406,15 +410,15 @@ def _advice(p_peak: int, tiers: Tiers, weights: Weights, method: str, reason: st
             "Every batch is taken at --seq-len tokens: with samples of different lengths this is an upper bound."
         )
     free = tiers.memory_bytes - weights.ram_bytes
-    if tiers.disk_bytes and p_peak <= free:
+    if tiers.disk_bytes and nproc * p_peak <= free:  # every local rank's cache
         need = _host_limit_text(p_peak)
         out.append(
             f"On this machine, the cache peak ({_h(p_peak)}) fits in memory ({_h(free)} beside the weights held there) "
             f"but not under the host limit ({_h(tiers.host_limit_bytes)}): OFFCACHE_HOST_LIMIT={need} keeps it in "
             "memory, with no disk tier."
         )
-    disk_need = tiers.disk_bytes + weights.disk_bytes
-    if not tiers.fits or (weights.disk_bytes and disk_need > tiers.disk_free_bytes):
+    disk_need = nproc * tiers.disk_bytes + weights.disk_bytes
+    if not tiers.fits or disk_need > tiers.disk_free_bytes and (weights.disk_bytes or nproc > 1):
         out.append(
             f"On this machine, it DOES NOT FIT: weights ({_h(weights.total_bytes)}) and cache ({_h(p_peak)}) "
             f"need {_h(disk_need)} on disk "
@@ -444,6 +448,8 @@ def estimate(
     pageable_gbps: float = PAGEABLE_GBPS,
     disk_write_gbps: float | None = None,
     disk_read_gbps: float | None = None,
+    nproc_per_node: int | None = None,
+    nnodes: int | None = None,
 ) -> Plan:
     """The plan of a sequential-pipeline calibration run (see the module's docstring).
 
@@ -454,6 +460,9 @@ def estimate(
     (`collator`: its data_collator, 'truncation' or 'padding'; `seq_len` is then max_seq_length, or
     the longest sample). `uniform_lengths`: every sample is `seq_len` tokens, so the plan is exact,
     not an upper bound. `gpu_bytes`: the GPU's memory (default: the visible GPU's, else an H200's).
+    `nproc_per_node`, `nnodes`: a torchrun job's (default: LOCAL_WORLD_SIZE and WORLD_SIZE, else 1):
+    each rank caches its share of the samples with its own limits, the weights count once per node
+    (offcache.plan.ranks).
     """
     _positive("samples", samples)
     _positive("seq_len", seq_len)
@@ -463,6 +472,8 @@ def estimate(
         raise ValueError(f"onload must be 'cuda' or 'cpu', got {onload!r}")
     if collator not in COLLATORS:
         raise ValueError(f"collator must be one of {COLLATORS}, got {collator!r}")
+    nproc, nnodes = plan_ranks.job(nproc_per_node, nnodes)
+    share = plan_ranks.samples_per_rank(samples, nproc * nnodes)  # the samples one rank's cache holds
     pinned_gbps, pageable_gbps = _gbps("pinned_gbps", pinned_gbps), _gbps("pageable_gbps", pageable_gbps)
     disk_given = disk_write_gbps is not None or disk_read_gbps is not None
     disk_write_gbps = _gbps("disk_write_gbps", DISK_GBPS if disk_write_gbps is None else disk_write_gbps)
@@ -482,13 +493,13 @@ def estimate(
         if isinstance(config, (str, os.PathLike)):
             config = load_config(config)
     past_positions = _positions(config, seq_len) if shape is None else None
-    groups = _batch_groups(samples, batch_size)
+    groups = _batch_groups(share, batch_size)
     sizes = [size for size, _ in groups]
     per_size, shape, method, reason, notes, (weight_total, walked) = _subgraphs(
         None if shape is not None else config, shape, dtype, sizes, seq_len, sequential_targets, targets_per_subgraph
     )
     inputs = {b: plan_sim.inputs_of(b, seq_len) for b in sizes}
-    settings = _engine.settings()
+    settings = plan_ranks.rank_settings(_engine.settings(), nproc)
     replay = plan_sim.simulate_groups([(n, per_size[b], inputs[b]) for b, n in groups], onload=onload,
                                       host_limit=settings.get("host_limit", 0), passes=2 if propagate_error else 1,
                                       max_in_flight=settings.get("max_in_flight"),
@@ -496,7 +507,8 @@ def estimate(
     tiers = _tiers(replay.peak_bytes, settings)
     first = per_size[sizes[0]]
     weights = _weights([sg.weight_bytes for sg in first], weight_total, walked, onload, _gpu_bytes(gpu_bytes),
-                       tiers.memory_bytes - min(replay.peak_bytes, tiers.host_limit_bytes))  # fmt: skip
+                       tiers.memory_bytes - nproc * min(replay.peak_bytes, tiers.host_limit_bytes))  # fmt: skip
+    node = plan_ranks.node(nproc, nnodes, share, tiers, weights, settings)
     boundaries = []
     for k, sg in enumerate(first[:-1]):
         total = sum(n * sum(nbytes for _, nbytes in _distinct(per_size[b][k].outputs)) for b, n in groups)
@@ -528,8 +540,9 @@ def estimate(
         seconds_disk=disk_seconds, seconds_weights=weight_seconds,
         advice=_advice(replay.peak_bytes, tiers, weights, method, reason, bounded,
                        (replay.bound_bytes - replay.peak_bytes, replay.bound_bytes, settings.get("max_in_flight", 0))
-                       if onload == "cpu" and not copied_inline(settings) else None)
-        + ([SPLIT_APPROXIMATE] if replay.approximate else []) + ([past_positions] if past_positions else []),
+                       if onload == "cpu" and not copied_inline(settings) else None, nproc)
+        + ([SPLIT_APPROXIMATE] if replay.approximate else []) + ([past_positions] if past_positions else [])
+        + plan_ranks.advice(node, _h), node=node,
     )  # fmt: skip
 
 
