@@ -41,6 +41,7 @@ WEIGHT_COUNTERS: dict[str, int | float] = {
     "weight_host_waits": 0,  # times the host blocked on a weight copy
     "weight_stream_waits": 0,  # onloads to a GPU whose copy was still in flight: its stream waited
     "weight_host_wait_seconds": 0.0,
+    "weight_page_cache_bytes": 0,  # checkpoint bytes read through the page cache first (weights/node_warm.py)
 }
 
 

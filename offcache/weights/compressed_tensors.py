@@ -209,7 +209,10 @@ def _cls_from_device(cls, device=None):
         from offcache.weights import node
 
         return node.cache_class()
-    # DistributedDiskCache stays compressed-tensors'.
+    if chosen.__name__ == "DistributedDiskCache":  # read once per node (offcache/weights/node_disk.py)
+        from offcache.weights.node_disk import NodeDiskCache
+
+        return NodeDiskCache
     return {CPUCache: OffcacheCPUCache, DiskCache: OffcacheDiskCache}.get(chosen, chosen)
 
 

@@ -104,22 +104,31 @@ def test_patch_without_weights_leaves_weights_alone():
         offcache.unpatch_llmcompressor()
 
 
-def test_distributed_gets_the_node_shared_cpu_cache_and_keeps_the_disk_class(patched):
+def test_distributed_gets_the_node_shared_cpu_cache_and_the_node_disk_cache(patched):
     import torch.distributed as dist
 
     from offcache.weights.node import NodeSharedCPUCache  # tests/weights/test_weights_node*.py
+    from offcache.weights.node_disk import NodeDiskCache  # tests/weights/test_weights_node_disk.py
 
     for _ in range(2):  # a second process group decides again, with a region of its own
         with tempfile.TemporaryDirectory() as tmp:
             dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
             try:
                 assert OffloadCache.cls_from_device("cpu") is NodeSharedCPUCache
-                assert OffloadCache.cls_from_device("disk") is DistributedDiskCache
+                assert OffloadCache.cls_from_device("disk") is NodeDiskCache
                 cache = NodeSharedCPUCache.from_mapping({"w": torch.arange(4.0)}, "cpu")
                 assert torch.equal(cache["w"], torch.arange(4.0))
             finally:
                 dist.destroy_process_group()
     assert OffloadCache.cls_from_device("cpu") is OffcacheCPUCache
+    oc_ct.unpatch()
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        try:
+            assert OffloadCache.cls_from_device("disk") is DistributedDiskCache  # unpatched: theirs again
+        finally:
+            dist.destroy_process_group()
+    oc_ct.patch()
 
 
 # --- compressed-tensors' cache behaviour -------------------------------------------------------
