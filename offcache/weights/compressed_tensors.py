@@ -7,8 +7,10 @@
   builds every module's cache from).
   Distributed runs get ``NodeSharedCPUCache`` (offcache/weights/node.py) for ``"cpu"`` (one
   shared region per node, where a per-rank arena would hold one copy per rank; its onloads are
-  engine fetches from the region, prefetched as below) and keep compressed-tensors'
-  ``DistributedDiskCache`` for ``"disk"``.
+  engine fetches from the region, prefetched as below) and ``NodeDiskCache``
+  (offcache/weights/node_disk.py) for ``"disk"``: compressed-tensors' ``DistributedDiskCache``
+  with ``OffcacheDiskCache``'s onload and prefetch, its checkpoint bytes read once per node
+  through the page cache.
 - ``OffcacheCPUCache`` is compressed-tensors' ``CPUCache`` with its three device moves on
   the engine: ``offload`` snapshots into the pinned arena (and waits: the result is
   readable on return, as CPUCache's), ``onload`` is an engine fetch
@@ -250,7 +252,7 @@ def _trace_subgraphs(*args, **kwargs):
 
 
 def patch() -> None:
-    """Route compressed-tensors' non-distributed CPU weight offloading through offcache. Idempotent."""
+    """Route compressed-tensors' CPU and disk weight offloading (distributed or not) through offcache. Idempotent."""
     if _state.patched:
         return
     from offcache.weights import drift as ct_drift

@@ -4,7 +4,7 @@ Under ``torch.distributed``, ``patch_llmcompressor(weights=True)`` gives compres
 ``cls_from_device("cpu")`` :class:`NodeSharedCPUCache` in place of its ``DistributedCPUCache``
 (``cache_class()`` decides, once, for every rank together). Compressed-tensors' class writes each
 tensor to its own ``/dev/shm`` file and broadcasts its name with a broadcast and a barrier per
-tensor; this one:
+tensor; this one (weights offloaded to disk: offcache/weights/node_disk.py's ``NodeDiskCache``):
 
 - keeps every offloaded weight of a node in **one region**: a ``memfd_create`` file (anonymous:
   nothing in ``/dev/shm``, so a 64 MB ``/dev/shm`` does not matter, and the memory goes back to

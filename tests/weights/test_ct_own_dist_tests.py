@@ -82,7 +82,7 @@ def upstream_names(path: Path) -> list[str]:
     return re.findall(r"^def (test_\w+)\(", path.read_text(), re.M)
 
 
-def run_upstream(substitute: bool, report_dir: Path) -> dict[str, list[dict]]:
+def run_upstream(substitute: bool, report_dir: Path, test_file: str = DIST_CPU) -> dict[str, list[dict]]:
     """Their file under torchrun (2 ranks): test name -> each rank's entry (outcome, classes built, detail)."""
     suite_or_skip()
     env = dict(os.environ)
@@ -95,7 +95,7 @@ def run_upstream(substitute: bool, report_dir: Path) -> dict[str, list[dict]]:
     )
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
            f"--master-port={free_port()}", "-m", "pytest", "-p", "offcache_ct_plugin", "-p", "no:cacheprovider",
-           "-q", DIST_CPU]  # fmt: skip
+           "-q", test_file]  # fmt: skip
     # cwd: their checkout's root, so `tests` is their package (first on sys.path), not ours.
     proc = subprocess.Popen(cmd, cwd=SUITE, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)  # fmt: skip

@@ -66,12 +66,15 @@ import compressed_tensors.distributed as _ct_dist  # noqa: E402
 import compressed_tensors.distributed.utils as _ct_dist_utils  # noqa: E402
 from compressed_tensors.offload.cache.base import OffloadCache  # noqa: E402
 from compressed_tensors.offload.cache.dist_cpu import DistributedCPUCache  # noqa: E402
+from compressed_tensors.offload.cache.dist_disk import DistributedDiskCache  # noqa: E402
 
 _ct_dist.init_dist = _ct_dist_utils.init_dist = _keep_group
 
 SUBSTITUTED_CPU = OffloadCache.cls_from_device("cpu")  # collective once: offcache's decision, every rank
+SUBSTITUTED_DISK = OffloadCache.cls_from_device("disk")  # no collective: offcache's NodeDiskCache
 if SUBSTITUTE:
     assert SUBSTITUTED_CPU is not DistributedCPUCache, f"the patch gave compressed-tensors' class: {SUBSTITUTED_CPU}"
+    assert SUBSTITUTED_DISK is not DistributedDiskCache, f"the patch gave compressed-tensors' class: {SUBSTITUTED_DISK}"
 
 # --- which cache classes each test built ------------------------------------------------------------
 _built: set[str] = set()
@@ -96,6 +99,8 @@ def pytest_collection_modifyitems(config, items):
         module = item.module
         if SUBSTITUTE and getattr(module, "DistributedCPUCache", None) is DistributedCPUCache:
             module.DistributedCPUCache = SUBSTITUTED_CPU
+        if SUBSTITUTE and getattr(module, "DistributedDiskCache", None) is DistributedDiskCache:
+            module.DistributedDiskCache = SUBSTITUTED_DISK
         reason = NOT_APPLICABLE.get(item.originalname)
         if reason is not None:
             item.add_marker(pytest.mark.skip(reason=f"not applicable: {reason}"))
