@@ -6,8 +6,10 @@ Under ``torch.distributed``, ``patch_llmcompressor(weights=True)`` gives compres
 
 - the same files and index: the source rank writes (or symlinks) each tensor's safetensors
   file as ``DiskCache`` does, and every rank's ``DiskCache.index`` names that file; an
-  ``update_offload`` on any rank rewrites it (``DiskCache``'s), so every rank reads the new value
-  after a barrier; ``__delitem__`` is ``DistributedDiskCache``'s (the source removes the file).
+  ``update_offload`` on any rank writes it anew (``DiskCache``'s file, written beside it and
+  renamed over it: a rank reading it meanwhile reads the old file whole, where compressed-tensors'
+  rewrite in place can hand it a truncated one), so every rank reads the new value after a
+  barrier; ``__delitem__`` is ``DistributedDiskCache``'s (the source removes the file).
 - its offload a collective that cannot leave a rank hanging: a batch per ``from_mapping`` (a
   module's parameters, or its buffers), one ``broadcast_object_list`` of the source's index
   entries (or of its error: a failed write raises on every rank) and one ``all_gather_object`` of
@@ -34,6 +36,7 @@ Under ``torch.distributed``, ``patch_llmcompressor(weights=True)`` gives compres
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -47,13 +50,20 @@ try:
     from compressed_tensors.offload.cache.disk import DiskCache
     from compressed_tensors.offload.cache.dist_disk import DistributedDiskCache
     from compressed_tensors.offload.utils import send_tensors, to_tensor
+    from safetensors.torch import save_file
 except ModuleNotFoundError as _missing:  # one line naming the extra
     raise as_missing(
         _missing, ("compressed_tensors", "transformers"), "llmcompressor", "offcache.weights.node_disk"
     ) from None
 
-from offcache.weights.bookkeeping import _state  # noqa: E402
+try:
+    from compressed_tensors.offload.cache.disk_utils import _evict
+except ImportError:  # compressed-tensors 0.19: no handles held
+    _evict = None
+
+from offcache.weights.bookkeeping import _drop_prefetched, _state  # noqa: E402
 from offcache.weights.caches import COUNTERS, OffcacheDiskCache, _onload  # noqa: E402
+from offcache.weights.files import forget as _forget  # noqa: E402
 from offcache.weights.node_region import NodeShapeMismatchError  # noqa: E402
 from offcache.weights.node_warm import Deferred, issue_ready, page_cache_on  # noqa: E402
 
@@ -147,6 +157,34 @@ class NodeDiskCache(OffcacheDiskCache, DistributedDiskCache):
             return True
         info = self.index.get(offloaded)
         return tag is not None and info is not None and _identity(info["safetensors_file"]) == tag
+
+    # -- update: DiskCache's file, replaced whole (never rewritten under another rank's read) --
+    @torch.no_grad()
+    def update_offload(self, offloaded: Tensor, data: Tensor | None) -> None:
+        """``DiskCache.update_offload``'s file (the tensor's name, the index's dtype, at the index's
+        path: every rank reads it after a barrier), written beside it and renamed over it: a rank
+        reading the file meanwhile reads the old one whole, never a truncated one."""
+        if data is None:
+            return
+        if offloaded.device.type != "meta":  # staged (0.20): a host tensor, updated as CPUCache's
+            return super().update_offload(offloaded, data)
+        _drop_prefetched(offloaded)
+        assert offloaded in self.index, "Cannot find offload to update"
+        info = self.index[offloaded]
+        path = info["safetensors_file"]
+        assert self._is_ct_file_path(path), f"Attempted to write to {path}"
+        value = data.reshape_as(offloaded).to(dtype=getattr(torch, info["dtype"])).contiguous()
+        partial = f"{path}.{os.getpid()}.partial"  # its own per process: two writers never share one
+        try:
+            save_file({info["weight_name"]: value}, partial)
+            os.replace(partial, path)  # a symlink into the checkpoint is replaced, never followed
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(partial)
+            raise
+        _forget(path)
+        if _evict is not None:
+            _evict(path)  # compressed-tensors 0.20's handles held in disk_load_context
 
     # -- offload: a batch per module, an error on one rank raised on every rank --
     def offload(self, tensor: Tensor | None) -> Tensor | None:

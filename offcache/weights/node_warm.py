@@ -127,7 +127,7 @@ class Deferred:
             return self.deferred.issue()[self.i][1]
 
         def query(self) -> bool:
-            if self.deferred.results is None and not self.deferred.future.done():
+            if self.deferred.results is None and self.deferred.error is None and not self.deferred.future.done():
                 return False
             return self._real().query()
 
@@ -140,6 +140,7 @@ class Deferred:
     def __init__(self, fetch, offloaded: list[torch.Tensor], device: torch.device, ranges, inline: bool):
         self.fetch, self.offloaded, self.device = fetch, offloaded, device
         self.results: list[tuple[torch.Tensor, Any]] | None = None
+        self.error: Exception | None = None
         if inline:  # the caller needs it now: warm on its thread
             self.future: Future = Future()
             self.future.set_result(warm(ranges))
@@ -147,13 +148,19 @@ class Deferred:
             self.future = _submit(ranges)
 
     def issue(self) -> list[tuple[torch.Tensor, Any]]:
-        """The engine's read, issued (once) after the warm-up."""
+        """The engine's read, issued (once) after the warm-up; its error, if it failed, every time."""
+        if self.error is not None:
+            raise self.error
         if self.results is None:
             try:
                 self.future.result()
             except Exception:  # noqa: BLE001  (the engine's read says why, if it fails too)
                 pass
-            self.results = self.fetch(self.offloaded, self.device)
+            try:
+                self.results = self.fetch(self.offloaded, self.device)
+            except Exception as exc:
+                self.error = exc
+                raise
         return self.results
 
     def pairs(self) -> list[tuple[Any, Any]]:
@@ -168,8 +175,11 @@ def issue_ready() -> None:
     ones nobody holds any more are forgotten)."""
     while _pending:
         deferred = _pending[0]()
-        if deferred is not None and deferred.results is None:
+        if deferred is not None and deferred.results is None and deferred.error is None:
             if not deferred.future.done():
                 return
-            deferred.issue()
+            try:
+                deferred.issue()
+            except Exception:  # noqa: BLE001  (raised to whoever takes that copy, not to this caller)
+                pass
         _pending.pop(0)

@@ -73,6 +73,23 @@ def test_a_prefetched_copy_of_a_value_another_rank_updated_is_not_served(group, 
     assert results[0]["weight_prefetch_stale"] == 1  # rank 0's copy of the old bias: read again
 
 
+def test_an_update_never_hands_a_reading_rank_a_truncated_file(group, tmp_path):
+    spec = [("weight", (512, 512), "float32", 1, True, None)]  # 1 MiB: a rewrite takes a while
+    group.call(W + "offload", "w", str(tmp_path), spec, ("ours",))
+    rounds = 30
+    seen = group.call(W + "update_while_reading", "w", rounds, 1)[0]
+    valid = set(group.call(W + "describe_seeds", (512, 512), "float32", [1, *range(100, 100 + rounds)])[0])
+    assert len(seen) == rounds and set(seen) <= valid
+
+
+def test_a_prefetch_whose_file_is_gone_fails_that_onload_only(group, tmp_path):
+    group.call(W + "offload", "g", str(tmp_path), SPEC, ("ours",))
+    before = group.call(W + "values", "g")[0][0]
+    for result in group.call(W + "prefetch_then_file_gone", "g", "bias"):
+        assert "ct_disk_cache" in result["bias"] and "No such file" in result["bias"], result
+        assert {k: v for k, v in result.items() if k != "bias"} == {k: v for k, v in before.items() if k != "bias"}
+
+
 def test_delete_on_every_rank(group, tmp_path):
     group.call(W + "offload", "d", str(tmp_path), SPEC)
     assert group.call(W + "delete", "d", "bias") == [[False, False]] * 2

@@ -259,3 +259,46 @@ def patched_classes() -> dict:
     finally:
         oc_ct.unpatch()
     return {"patched": patched, "unpatched": OffloadCache.cls_from_device("disk").__name__}
+
+
+def update_while_reading(mod: str, rounds: int, writer: int) -> list:
+    """Rank `writer` updates 'weight' `rounds` times while the other ranks onload it, no barrier
+    between: each read must be one of the values written (never a truncated file's error)."""
+    import torch.distributed as dist
+
+    cache = _D[mod][0]
+    offloaded = cache.offloaded_values["weight"]
+    seen = []
+    _barrier()
+    for r in range(rounds):
+        if dist.get_rank() == writer:
+            cache["weight"] = make(offloaded.shape, str(offloaded.dtype).removeprefix("torch."), 100 + r)
+        else:
+            seen.append(_describe(cache["weight"])[3])
+    _barrier()
+    return seen
+
+
+def describe_seeds(shape, dtype: str, seeds) -> list:
+    return [_describe(make(shape, dtype, seed))[3] for seed in seeds]
+
+
+def prefetch_then_file_gone(mod: str, name: str) -> dict:
+    """Every rank prefetches ours; the source removes `name`'s file; then every rank onloads each name."""
+    from offcache.weights import compressed_tensors as oc_ct
+    from offcache.weights.bookkeeping import _state
+
+    ours = _D[mod][0]
+    oc_ct.prefetch([types.SimpleNamespace(_parameters=ours, _buffers={})], target=0)
+    _barrier()
+    if _source():
+        os.unlink(ours.index[ours.offloaded_values[name]]["safetensors_file"])
+    _barrier()
+    out = {}
+    for key in list(ours.offloaded_values):
+        try:
+            out[key] = _describe(ours[key])
+        except Exception as exc:  # noqa: BLE001
+            out[key] = f"{type(exc).__name__}: {exc}"
+    _state.prefetched.clear()
+    return out
