@@ -17,10 +17,13 @@ built offcache's ``NodeSharedCPUCache`` (never compressed-tensors' class), excep
 The control runs the same file with compressed-tensors' own classes under the same harness: it shows
 the harness is faithful (their class passes the same tests).
 
-Their ``test_dist_disk.py`` is not run: offcache has no distributed disk class yet (the patch leaves
-compressed-tensors' ``DistributedDiskCache`` in place), so it would test compressed-tensors' class only;
-and it races across ranks (a rank's update or delete of the shared file may land before the other
-rank's read: seen failing with their classes here).
+Their ``test_dist_disk.py`` runs the same way with offcache's ``NodeDiskCache`` substituted (and their
+``DistributedDiskCache`` as the control). Every test must pass but DISK_RACY: ``test_distributed_offload``
+has both ranks update the tensor with no barrier after the first read, so rank 0's update may land
+before rank 1 reads the first value (it then reads the second): it may fail on either rank with
+either class (seen here: their class 4 times in 12 rank-runs, offcache's once in 28, which writes
+an update beside the file and renames it over, so a read never sees a truncated file). It must
+still have built the expected class, and any failure must be that assertion.
 
 Without the suite (scripts/setup_ct_tests.sh could not reach the package index) the tests are skipped
 with the reason; with ``OFFCACHE_REQUIRE_CT_TESTS=1`` (CI) they fail instead.
@@ -62,6 +65,8 @@ NOT_APPLICABLE = {
     ),
 }
 CPU_ONLOAD = {"test_garbage_collect", "test_disable_offloading"}
+DIST_DISK = "tests/test_offload/cache/test_dist_disk.py"
+DISK_RACY = {"test_distributed_offload"}
 
 
 def suite_or_skip() -> Path:
@@ -114,7 +119,9 @@ def run_upstream(substitute: bool, report_dir: Path, test_file: str = DIST_CPU) 
     return out
 
 
-def check(results: dict[str, list[dict]], names: list[str], cls: str, cpu_onload_fails: bool) -> list[str]:
+def check(
+    results: dict[str, list[dict]], names: list[str], cls: str, cpu_onload_fails: bool, racy: frozenset = frozenset()
+) -> list[str]:
     """What differs from the expectations in the module docstring, one line per test and rank."""
     problems = []
     assert set(results) == set(names), (sorted(results), names)
@@ -128,6 +135,10 @@ def check(results: dict[str, list[dict]], names: list[str], cls: str, cpu_onload
                 continue
             if entry["classes"] != [cls]:
                 problems.append(f"{where}: built {entry['classes']}, not [{cls!r}]")
+            if name in racy and entry["outcome"] == "failed":
+                if "AssertionError" not in entry["detail"] and "assert " not in entry["detail"]:
+                    problems.append(f"{where}: failed, not on the racy assertion\n{entry['detail']}")
+                continue
             if name in CPU_ONLOAD and cpu_onload_fails:
                 if entry["outcome"] != "failed" or "_ref() is None" not in entry["detail"]:
                     problems.append(f"{where}: {entry['outcome']}, expected to fail as an onload to the CPU is no copy")
@@ -153,4 +164,21 @@ def test_compressed_tensors_own_dist_cpu_tests_pass_with_offcache_s_class(tmp_pa
 def test_compressed_tensors_own_class_passes_them_under_the_same_harness(tmp_path):
     names = upstream_names(suite_or_skip())
     problems = check(run_upstream(False, tmp_path), names, "DistributedCPUCache", cpu_onload_fails=True)
+    assert not problems, "\n".join(problems)
+
+
+def test_compressed_tensors_own_dist_disk_tests_pass_with_offcache_s_class(tmp_path):
+    suite_or_skip()
+    names = upstream_names(SUITE / DIST_DISK)
+    results = run_upstream(True, tmp_path, DIST_DISK)
+    problems = check(results, names, "NodeDiskCache", cpu_onload_fails=False, racy=frozenset(DISK_RACY))
+    assert not problems, "\n".join(problems)
+    assert sum(e["outcome"] == "passed" for entries in results.values() for e in entries) >= 2 * (len(names) - 1)
+
+
+def test_compressed_tensors_own_disk_class_passes_them_under_the_same_harness(tmp_path):
+    suite_or_skip()
+    names = upstream_names(SUITE / DIST_DISK)
+    results = run_upstream(False, tmp_path, DIST_DISK)
+    problems = check(results, names, "DistributedDiskCache", cpu_onload_fails=False, racy=frozenset(DISK_RACY))
     assert not problems, "\n".join(problems)
