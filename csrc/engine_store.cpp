@@ -242,11 +242,21 @@ std::vector<at::Tensor> Engine::store_to_host(const std::vector<at::Tensor>& val
       if (device.is_cpu() && !hb->disk() && backend_->copies_host_stores_inline()) {
         // From CPU memory into a host block: this thread's copy is the snapshot
         // and the store at once. The block is new, so no copy touches it.
+        // Timed as a stream's copy batch is (d2h_seconds, a trace's d2h row):
+        // the two host events die after the lock below is released.
+        const auto start = HostEvent::completed();
         snapshot_into(static_cast<char*>(hb->block.ptr), group, device);
+        const auto done = HostEvent::completed();
         auto l = lock();
         stats_.d2h_bytes += total;
         ++stats_.d2h_copies;  // one block's copy, as on a stream
         stats_.inline_store_copies += group.size();
+        const double ms = done->elapsed_ms_since(*start);
+        if (timing_) stats_.d2h_seconds += ms / 1000.0;
+        if (trace_origin_ && dynamic_cast<HostEvent*>(trace_origin_.get()) != nullptr) {
+          trace_.push_back(TraceRow{Dir::kStore, total, start->elapsed_ms_since(*trace_origin_),
+                                    done->elapsed_ms_since(*trace_origin_)});
+        }
         continue;
       }
       throttle(total, Dir::kStore);  // staging memory is bounded by the in-flight bound

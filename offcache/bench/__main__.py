@@ -10,7 +10,8 @@ small, pipeline (with pinned and timeline), kv, soak, oneshot, disk (the disk
 tier; its folder is OFFCACHE_BENCH_DISK_DIR, else the temp folder), weights
 (compressed-tensors' offloaded weights: its CPUCache against offcache's; with --ranks N,
 under torch.distributed: N local ranks, its DistributedCPUCache against offcache's node-shared
-region and per-rank copies, in results.json's "weights_ranks"). Each section
+region and per-rank copies, in results.json's "weights_ranks"), hostwork (host instructions per
+update() against llm-compressor's, counted by valgrind's callgrind). Each section
 merges its results into DIR/results.json, keeping what earlier runs wrote there,
 and records its command, date, device and build under "runs"; the plots are
 redrawn from everything the file holds.
@@ -32,7 +33,7 @@ import offcache
 from offcache.bench.common import Context, device_info, load_results, run_info, save_results
 
 ALL = ("transfer", "overlap", "small", "pipeline", "kv")
-SECTIONS = (*ALL, "soak", "oneshot", "disk", "weights")
+SECTIONS = (*ALL, "soak", "oneshot", "disk", "weights", "hostwork")
 # The results.json keys each section writes.
 KEYS = {"pipeline": ("pipeline", "pinned", "timeline")}
 # Sections that measure a peer: (the package, the offcache extra that installs it).
@@ -122,6 +123,10 @@ def run_section(name: str, ctx: Context, args: argparse.Namespace) -> dict:
         from offcache.bench.oneshot import run_oneshot
 
         return {"oneshot": run_oneshot(ctx)}
+    if name == "hostwork":
+        from offcache.bench.host_work import run_host_work
+
+        return {"hostwork": run_host_work(ctx)}
     if name == "disk":
         from offcache.bench.disk import run_disk
 
@@ -235,6 +240,13 @@ def summary(r: dict, names=SECTIONS) -> str:
                 "update of a 5-tensor batch, host CPU (us, all threads): "
                 + " | ".join(f"{x['impl']} {x['cpu_us_per_batch']:.1f}" for x in update)
             )
+    if "hostwork" in names and r.get("hostwork"):
+        work = [f"{x['impl']} {x['update_instructions_per_batch']:.0f}" for x in r["hostwork"]
+                if "update_instructions_per_batch" in x]  # fmt: skip
+        ratio = [f" ({x['ratio_to_llmcompressor']:.2f}x llm-compressor's)" for x in r["hostwork"]
+                 if "ratio_to_llmcompressor" in x]  # fmt: skip
+        lines.append("host instructions per update() of a 5-tensor batch, beyond making it: "
+                     + " | ".join(work) + "".join(ratio))  # fmt: skip
     if "pipeline" in names and r.get("pipeline"):
         lines.append("pipeline wall time (s):")
         for x in r["pipeline"]:

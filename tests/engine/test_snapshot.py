@@ -38,13 +38,21 @@ def test_a_store_of_cpu_memory_is_copied_by_the_calling_thread(engine_config, de
     values = [torch.randn(8, 16), torch.ones(64, dtype=torch.bool), torch.arange(3 << 18)]  # packed, and 6 MiB
     expected = [v.clone() for v in values]
     before = _engine.stats()
+    _engine.trace_start(CPU)
     stored = _engine.store(values, CPU)
     after = _engine.stats()
     for v in values:
         v.zero_()  # the snapshot was taken at the call, on either path
     for s in stored:
         _engine.wait_stored(s)  # a no-op for a store that landed inline
+    _engine.synchronize()
+    trace = _engine.trace_stop()
     assert all(torch.equal(s, e) for s, e in zip(stored, expected))
+    # Either way the copies are in a trace as D2H batches (the timeline plot), one per block.
+    rows = [r for r in trace if r["stream"] == "d2h"]
+    assert len(rows) == 2, trace
+    assert sum(r["bytes"] for r in rows) >= sum(v.numel() * v.element_size() for v in values)
+    assert all(0 <= r["start_ms"] <= r["end_ms"] for r in rows), rows
     inline = after["inline_store_copies"] - before["inline_store_copies"]
     streamed = after["copy_calls"] - before["copy_calls"]
     assert after["d2h_copies"] - before["d2h_copies"] == 2  # one per block: the two small values share one

@@ -577,10 +577,13 @@ def pss_bytes(pid: int) -> int:
 def hold_weights(mod: str, how: str, n: int, mib: int) -> None:
     """`n` weights of `mib` MiB each: in offcache's node region ("node"; the other ranks hold meta tensors,
     as a model loaded on the source rank), or a copy per rank in compressed-tensors' CPUCache ("per_rank",
-    what each rank holds without a shared region). Then every rank reads every byte (its pages mapped)."""
+    what each rank holds without a shared region). Then every rank reads every byte (its pages mapped)
+    through the offloaded tensors themselves: an onload to the CPU would be a copy, whose freed pages
+    the allocator may keep."""
     import gc
 
     from compressed_tensors.distributed import is_source_process
+    from compressed_tensors.offload import disable_onloading
     from compressed_tensors.offload.cache import CPUCache
 
     from offcache.weights.node import NodeSharedCPUCache
@@ -596,5 +599,6 @@ def hold_weights(mod: str, how: str, n: int, mib: int) -> None:
     del mapping
     gc.collect()
     _S[mod] = (cache,)
-    for name in cache:
-        float(cache[name].sum())
+    with disable_onloading():
+        for name in cache:
+            float(cache[name].sum())
