@@ -134,8 +134,19 @@ def raw(t: torch.Tensor) -> bytes:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
+def child_pythonpath(*first: str) -> str:
+    """PYTHONPATH for a child interpreter: `first`, then this one's PYTHONPATH with every entry made absolute.
+
+    The overlays (scripts/test.sh: ``PYTHONPATH=.venv-tf-newest``) are relative to the checkout's root; a
+    child started in another directory, or with PYTHONPATH replaced, would import the pinned peer instead
+    of the overlay's and test the wrong version without a word.
+    """
+    inherited = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return os.pathsep.join([str(p) for p in first] + inherited)
+
+
 def run_with_this_checkout(script: str, cwd, timeout: float) -> subprocess.CompletedProcess:
     """`script` in a fresh interpreter in `cwd`, importing this checkout's offcache first."""
     root = str(Path(__file__).resolve().parent.parent)
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout, cwd=cwd,
-                          env={**os.environ, "PYTHONPATH": root})  # fmt: skip
+                          env={**os.environ, "PYTHONPATH": child_pythonpath(root)})  # fmt: skip

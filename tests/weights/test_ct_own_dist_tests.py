@@ -46,6 +46,7 @@ import pytest
 
 compressed_tensors = pytest.importorskip("compressed_tensors")
 
+from tests.helpers import child_pythonpath  # noqa: E402
 from tests.weights.weights_node_worker import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -97,7 +98,8 @@ def run_upstream(substitute: bool, report_dir: Path, test_file: str = DIST_CPU) 
     suite_or_skip()
     env = dict(os.environ)
     env.update(
-        PYTHONPATH=os.pathsep.join([str(PLUGIN_DIR), str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+        # cwd is their checkout: the overlay's relative PYTHONPATH made absolute, or they test the pinned version.
+        PYTHONPATH=child_pythonpath(PLUGIN_DIR, ROOT),
         OFFCACHE_CT_SUBSTITUTE="1" if substitute else "0",
         OFFCACHE_CT_REPORT_DIR=str(report_dir),
         OFFCACHE_CT_NOT_APPLICABLE=json.dumps(NOT_APPLICABLE),
@@ -119,7 +121,11 @@ def run_upstream(substitute: bool, report_dir: Path, test_file: str = DIST_CPU) 
     for rank in (0, 1):
         path = report_dir / f"rank{rank}.json"
         assert path.exists(), f"rank {rank} wrote no report (exit {proc.returncode}):\n{log[-6000:]}"
-        for nodeid, entry in json.loads(path.read_text())["tests"].items():
+        report = json.loads(path.read_text())
+        # Their tests must have run against the compressed-tensors whose suite this is, and been collected.
+        assert report["version"] == compressed_tensors.__version__, (report["version"], log[-6000:])
+        assert report["tests"], f"rank {rank} ran none of {test_file}:\n{log[-6000:]}"
+        for nodeid, entry in report["tests"].items():
             out.setdefault(nodeid.rpartition("::")[2], []).append(entry)
     return out
 

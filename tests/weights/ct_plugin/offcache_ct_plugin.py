@@ -62,6 +62,7 @@ def _keep_group() -> None:
     dist.barrier()
 
 
+import compressed_tensors  # noqa: E402
 import compressed_tensors.distributed as _ct_dist  # noqa: E402
 import compressed_tensors.distributed.utils as _ct_dist_utils  # noqa: E402
 from compressed_tensors.offload.cache.base import OffloadCache  # noqa: E402
@@ -125,4 +126,5 @@ def pytest_runtest_logreport(report):
 
 def pytest_sessionfinish(session, exitstatus):
     with open(os.path.join(REPORT_DIR, f"rank{RANK}.json"), "w") as f:
-        json.dump({"rank": RANK, "substituted": SUBSTITUTED_CPU.__name__, "tests": _report}, f, indent=1)
+        report = {"rank": RANK, "version": compressed_tensors.__version__, "substituted": SUBSTITUTED_CPU.__name__}
+        json.dump({**report, "tests": _report}, f, indent=1)
