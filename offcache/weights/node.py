@@ -92,6 +92,7 @@ except ModuleNotFoundError as _missing:  # one line naming the extra
     ) from None
 
 from offcache import engine as _engine  # noqa: E402
+from offcache.weights.batch_offload import _BatchOffload  # noqa: E402
 from offcache.weights.bookkeeping import _drop_prefetched  # noqa: E402
 from offcache.weights.caches import COUNTERS, EngineCache, _fetch_host, _like, _onload  # noqa: E402
 from offcache.weights.node_region import (  # noqa: E402
@@ -233,7 +234,7 @@ def _shape_of(t: torch.Tensor) -> tuple:
     return tuple(t.shape)
 
 
-class NodeSharedCPUCache(EngineCache, DistributedCPUCache):
+class NodeSharedCPUCache(_BatchOffload, EngineCache, DistributedCPUCache):
     """compressed-tensors' ``DistributedCPUCache`` with its offloads in the node's region, a batch at
     a time, and its onloads engine fetches from the region (prefetched as with one process)."""
 
@@ -246,8 +247,6 @@ class NodeSharedCPUCache(EngineCache, DistributedCPUCache):
         instance = cls(onload_device=onload_device, offload_device=offload_device, **kwargs)
         instance.offloaded_values = instance._offload_batch(dict(mapping))
         return instance
-
-    _key: Any = None  # the name __setitem__ is offloading, for messages
 
     # -- onload: an engine fetch from the region (offcache.weights.caches' onload) --
     def onload(self, offloaded: torch.Tensor | None) -> torch.Tensor | None:
@@ -314,23 +313,7 @@ class NodeSharedCPUCache(EngineCache, DistributedCPUCache):
         finally:
             _engine.shared_word_add(word, 1)
 
-    # -- offload: a batch per module --
-    @catch_cpu_mem_error
-    def offload(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
-        if tensor is None:
-            return None
-        return self._offload_batch({None: tensor})[None]
-
-    def __setitem__(self, key, value):
-        self._key = key
-        try:
-            super().__setitem__(key, value)
-        finally:
-            self._key = None
-
-    def _name(self, name) -> str:
-        return str(self._key if name is None else name)
-
+    # -- offload: a batch per module (offload, __setitem__, _name: _BatchOffload) --
     @catch_cpu_mem_error  # compressed-tensors' remediation hint, as its from_mapping logs it (per offload)
     def _offload_batch(self, mapping: dict) -> dict:
         """Offload every tensor of `mapping` (name -> tensor or None): one broadcast, one all_gather."""

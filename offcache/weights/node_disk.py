@@ -61,6 +61,7 @@ try:
 except ImportError:  # compressed-tensors 0.19: no handles held
     _evict = None
 
+from offcache.weights.batch_offload import _BatchOffload  # noqa: E402
 from offcache.weights.bookkeeping import _drop_prefetched, _state  # noqa: E402
 from offcache.weights.caches import COUNTERS, OffcacheDiskCache, _onload  # noqa: E402
 from offcache.weights.files import forget as _forget  # noqa: E402
@@ -81,12 +82,11 @@ def _identity(path: str) -> tuple | None:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-class NodeDiskCache(OffcacheDiskCache, DistributedDiskCache):
+class NodeDiskCache(_BatchOffload, OffcacheDiskCache, DistributedDiskCache):
     """compressed-tensors' ``DistributedDiskCache`` (files, index, deletes, updates), its offload a
     batch per module that fails on every rank together, its onload ``OffcacheDiskCache``'s through
     the engine, prefetched, each checkpoint byte read from the disk once per node."""
 
-    _key: Any = None  # the name __setitem__ is offloading, for messages
     _inline = False  # an onload's own fetch: its page-cache read on the calling thread
 
     @classmethod
@@ -186,22 +186,7 @@ class NodeDiskCache(OffcacheDiskCache, DistributedDiskCache):
         if _evict is not None:
             _evict(path)  # compressed-tensors 0.20's handles held in disk_load_context
 
-    # -- offload: a batch per module, an error on one rank raised on every rank --
-    def offload(self, tensor: Tensor | None) -> Tensor | None:
-        if tensor is None:
-            return None
-        return self._offload_batch({None: tensor})[None]
-
-    def __setitem__(self, key, value):
-        self._key = key
-        try:
-            super().__setitem__(key, value)
-        finally:
-            self._key = None
-
-    def _name(self, name) -> str:
-        return str(self._key if name is None else name)
-
+    # -- offload: a batch per module, an error on one rank raised on every rank (_BatchOffload) --
     def _offload_batch(self, mapping: dict) -> dict:
         """Offload every tensor of `mapping` (name -> tensor or None): one broadcast, one all_gather."""
         source = get_source_rank()
