@@ -17,8 +17,9 @@ shared out between the node's ranks:
   every rank skip the sliced prefetch (``weight_prefetch_skips``), so every rank fetches those
   tensors at their onload.
 - **Gather** (collective 2): ``all_gather_into_tensor`` of the slices into the flat buffer, on
-  the node's group (NCCL on GPUs, gloo on the CPU); each tensor's prefetched copy is a view of
-  it. So a subgraph costs at most 2 collectives; a prefetch with nothing of the region to fetch
+  the node's group (the world's backend: NCCL on GPUs, gloo on the CPU; across nodes a group
+  per node, made at set-up); each tensor's prefetched copy is a view of it. (Both are called
+  as ``all_gather_single``, torch 2.14's name for it, where torch has it.) So a subgraph costs at most 2 collectives; a prefetch with nothing of the region to fetch
   on every rank costs the agreement alone.
 - **Streams** (CUDA): the gather runs on a stream of its own, after the slice's H2D copy (the
   stream waits on the fetch's event, the engine hands its allocations to that stream), and
@@ -90,6 +91,7 @@ class _Groups:
         self.ranks = ranks
         self.size = len(ranks)
         self.index = ranks.index(dist.get_rank())
+        self.world = dist.group.WORLD  # the process group it was made in
 
 
 _groups: _Groups | None = None
@@ -126,7 +128,7 @@ def reset() -> None:
 
 def active() -> bool:
     """Whether prefetches of the node region are sliced (the mode is ``sliced`` and the node set up)."""
-    return _groups is not None
+    return _groups is not None and dist.is_initialized() and _groups.world is dist.group.WORLD
 
 
 def _all_gather(out: torch.Tensor, mine: torch.Tensor, group) -> None:
