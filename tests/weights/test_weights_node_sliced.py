@@ -184,3 +184,28 @@ def test_a_rank_without_room_makes_every_rank_skip_and_onload_alone(group):
             assert d.get("weight_prefetch_hits", 0) == 0, d
     finally:
         group.call(S + "use_mode", "full")
+
+
+def test_two_nodes_of_two_ranks_gather_within_each_node():
+    env = [
+        {"GROUP_RANK": str(r // 2), "LOCAL_RANK": str(r % 2), "LOCAL_WORLD_SIZE": "2", "OFFCACHE_NODE_ONLOAD": "sliced"}
+        for r in range(4)
+    ]
+    g = Group(4, env=env, setup="setup_node", timeout=180)
+    try:
+        assert g.call(S + "use_mode", "sliced") == [True] * 4
+        sliced = g.call(S + "model_walk", 3, 19, "cpu", "ours")
+        theirs = g.call(S + "model_walk", 3, 19, "cpu", "theirs")
+    finally:
+        g.close()
+    for rank in range(4):
+        assert sliced[rank]["outs"] == theirs[rank]["outs"]
+        c = sliced[rank]["counters"]
+        assert c["weight_sliced_prefetches"] == 2 and c.get("weight_prefetch_skips", 0) == 0, c
+        assert sum(sliced[rank]["collectives"].values()) == 2 * 2, sliced[rank]["collectives"]
+        for r in sliced[rank]["records"][1:]:
+            assert r["hits"] == 6 and r["misses"] == 0, r
+    # within each node the two ranks' slices make the whole (halves of the node's 2, not quarters of 4)
+    for node in (0, 1):
+        fetched = [sliced[r]["counters"]["weight_sliced_fetch_bytes"] for r in (2 * node, 2 * node + 1)]
+        assert sum(fetched) == sliced[2 * node]["counters"]["weight_prefetch_bytes"], fetched
