@@ -19,8 +19,12 @@ shared out between the node's ranks:
 - **Gather** (collective 2): ``all_gather_into_tensor`` of the slices into the flat buffer, on
   the node's group (the world's backend: NCCL on GPUs, gloo on the CPU; across nodes a group
   per node, made at set-up); each tensor's prefetched copy is a view of it. (Both are called
-  as ``all_gather_single``, torch 2.14's name for it, where torch has it.) So a subgraph costs at most 2 collectives; a prefetch with nothing of the region to fetch
-  on every rank costs the agreement alone.
+  as ``all_gather_single``, torch 2.14's name for it, where torch has it.) So a subgraph costs
+  at most 2 collectives; a prefetch with nothing of the region to fetch on every rank costs the
+  agreement alone.
+- **Plan**: every region tensor of the prefetch's modules, prefetched already or not: what a
+  rank holds prefetched differs between ranks (a write drops the writer's copy alone), the plan
+  must not. A copy prefetched again replaces the older one.
 - **Streams** (CUDA): the gather runs on a stream of its own, after the slice's H2D copy (the
   stream waits on the fetch's event, the engine hands its allocations to that stream), and
   records an event the consumer's stream waits on at the onload; the slice, the fetched pieces

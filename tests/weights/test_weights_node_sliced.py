@@ -140,6 +140,25 @@ def test_a_write_after_a_barrier_makes_a_sliced_prefetch_stale(group):
         group.call(S + "use_mode", "full")
 
 
+def test_a_prefetch_again_after_one_rank_s_write_is_planned_alike_on_every_rank(group):
+    # The writer dropped its own copy, the reader holds a stale one: the plan (every region tensor of
+    # the modules) must still be the same on both ranks, not "what this rank has not prefetched".
+    group.call(S + "use_mode", "sliced")
+    try:
+        group.call(S + "offload_pair", "h", [((), "bfloat16"), ((6, 5), "float32")])
+        group.call(S + "prefetch", ["h"], 1)
+        group.call(S + "write", "h", "t0", 3, 0)
+        for r in group.call(S + "prefetch", ["h"], 2):
+            assert r["issued"] == 2 + 6 * 5 * 4 and sum(r["collectives"].values()) == 2, r
+        group.call(S + "mark")
+        for r in group.call(S + "onload", "h"):
+            assert r["collectives"] == {} and all(a == b for a, b in r["values"].values()), r
+        for d in group.call(S + "since"):
+            assert d["weight_prefetch_hits"] == 2 and d.get("weight_prefetch_stale", 0) == 0, d
+    finally:
+        group.call(S + "use_mode", "full")
+
+
 def test_ranks_that_disagree_on_a_sliced_prefetch_get_an_error_not_a_hang(group):
     group.call(S + "use_mode", "sliced")
     try:
