@@ -9,13 +9,16 @@ shared out between the node's ranks:
   offset; the buffer is padded to ``n`` equal slices of ``S`` bytes (``n``: the node's ranks).
 - **Slice**: rank ``i`` fetches bytes ``[i*S, (i+1)*S)`` of it from the region (the pieces of the
   tensors that fall in it: one engine fetch, from pinned memory) into a slice buffer.
-- **Agreement** (collective 1): one ``all_gather_into_tensor`` of five int64 on a CPU (gloo) group:
+- **Agreement** (collective 1): one ``all_gather_into_tensor`` of six int64 on a CPU (gloo) group:
   each rank's plan fingerprint (the subgraph, the node's ranks, every tensor's region offset,
   dtype and shape), whether it has room for the buffers and its slice was issued, the subgraph,
-  the tensor count and bytes. Plans that differ raise :class:`NodeSlicedPlanError` on every rank
-  (never a gather some ranks do not make); a rank without room (or whose fetch failed) makes
-  every rank skip the sliced prefetch (``weight_prefetch_skips``), so every rank fetches those
-  tensors at their onload.
+  the tensor count and bytes, and a fingerprint of the generations it saw before its fetch
+  (ranks that saw different ones had a write land between their fetches: every rank skips, as
+  the gathered bytes could mix old and new; a write after every fetch was issued changes the
+  generation every rank checks at the onload, as in the full mode). Plans that differ raise
+  :class:`NodeSlicedPlanError` on every rank (never a gather some ranks do not make); a rank
+  without room (or whose fetch failed) makes every rank skip the sliced prefetch
+  (``weight_prefetch_skips``), so every rank fetches those tensors at their onload.
 - **Gather** (collective 2): ``all_gather_into_tensor`` of the slices into the flat buffer, on
   the node's group (the world's backend: NCCL on GPUs, gloo on the CPU; across nodes a group
   per node, made at set-up); each tensor's prefetched copy is a view of it. (Both are called
@@ -228,8 +231,11 @@ def prefetch(items: list[tuple[Any, torch.Tensor]], device: torch.device, target
                 ok = 0
 
     # Collective 1: the agreement (plans, room), on a CPU group.
-    mine = torch.tensor([_fingerprint(plan), ok, target, len(region_items), total], dtype=torch.int64)
-    every = torch.empty(n * 5, dtype=torch.int64)
+    # The generations each rank saw before its fetch: where they differ, a write landed between two
+    # ranks' fetches and the gathered bytes could mix old and new: every rank skips.
+    seen = _fingerprint(tuple(tags))
+    mine = torch.tensor([_fingerprint(plan), ok, target, len(region_items), total, seen], dtype=torch.int64)
+    every = torch.empty(n * 6, dtype=torch.int64)
     try:
         _all_gather(every, mine, g.agree)
     except RuntimeError as exc:
@@ -238,7 +244,7 @@ def prefetch(items: list[tuple[Any, torch.Tensor]], device: torch.device, target
             f"{target}: the node's ranks did not agree on the prefetch ({type(exc).__name__}: {exc}); every "
             "rank must prefetch the same subgraphs in the same order"
         ) from exc
-    every = every.view(n, 5).tolist()
+    every = every.view(n, 6).tolist()
     if len({row[0] for row in every}) > 1:
         described = ", ".join(
             f"rank {g.ranks[i]}: subgraph {row[2]}, {row[3]} tensors, {row[4]} bytes" for i, row in enumerate(every)
@@ -250,7 +256,7 @@ def prefetch(items: list[tuple[Any, torch.Tensor]], device: torch.device, target
         )
     if not total:
         return 0, rest
-    if not all(row[1] for row in every):
+    if not all(row[1] for row in every) or len({row[5] for row in every}) > 1:
         COUNTERS["weight_prefetch_skips"] += 1
         return 0, rest  # some rank has no room (or its fetch failed): every rank fetches at its onload
 

@@ -228,3 +228,26 @@ def test_two_nodes_of_two_ranks_gather_within_each_node():
     for node in (0, 1):
         fetched = [sliced[r]["counters"]["weight_sliced_fetch_bytes"] for r in (2 * node, 2 * node + 1)]
         assert sum(fetched) == sliced[2 * node]["counters"]["weight_prefetch_bytes"], fetched
+
+
+def test_ranks_that_saw_different_generations_before_their_fetches_all_skip(group):
+    # A write landing between two ranks' fetches: the gathered bytes could mix old and new.
+    group.call(S + "use_mode", "sliced")
+    try:
+        group.call(S + "offload_pair", "k", [((9, 9), "float32")])
+        group.call(S + "clear_prefetched")
+        group.call(S + "skew_generations", per_rank=[(False,), (True,)])
+        try:
+            got = group.call(S + "prefetch", ["k"], 1)
+        finally:
+            group.call(S + "skew_generations", False)
+        for r in got:
+            assert r["issued"] == 0 and r["counters"]["weight_prefetch_skips"] == 1, r
+            assert sum(r["collectives"].values()) == 1, r  # the agreement only
+        for r in group.call(S + "onload", "k"):
+            assert r["collectives"] == {} and all(a == b for a, b in r["values"].values()), r
+        # the same generations on both: gathered
+        for r in group.call(S + "prefetch", ["k"], 2):
+            assert r["issued"] == 9 * 9 * 4 and sum(r["collectives"].values()) == 2, r
+    finally:
+        group.call(S + "use_mode", "full")

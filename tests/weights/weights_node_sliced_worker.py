@@ -207,6 +207,19 @@ def write(mod: str, name: str, seed: int, writer: int) -> None:
     dist.barrier()
 
 
+def skew_generations(on: bool) -> None:
+    """This rank's NodeSharedCPUCache sees every generation 2 lower before its fetch (as if it had
+    fetched before a write that another rank fetched after); off: as it is."""
+    from offcache.weights.node import NodeSharedCPUCache
+
+    if on:
+        real = NodeSharedCPUCache._tag
+        _S["real_tag"] = real
+        NodeSharedCPUCache._tag = lambda self, offloaded: real(self, offloaded) - 2
+    elif "real_tag" in _S:
+        NodeSharedCPUCache._tag = _S.pop("real_tag")
+
+
 def clear_prefetched() -> None:
     from offcache.weights.bookkeeping import _state
 
