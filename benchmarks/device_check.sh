@@ -27,7 +27,7 @@
 #   ranks    offcache.bench weights --ranks 2 --quick: two ranks on the one GPU (gloo), offloaded weights
 #            under torch.distributed: compressed-tensors' DistributedCPUCache (left out when /dev/shm
 #            has no room), offcache's node region, per-rank copies; node PSS, setup and pinning s/GiB,
-#            onload per rank against raw pinned, collectives (the sliced mode needs 2 GPUs: not run)
+#            onload per rank against raw pinned, collectives (the sliced mode's row says it needs 2 GPUs and NCCL: not run)
 #   oneshot  llm-compressor's sequential GPTQ W4A16 (--quick: 4 layers of hidden 2048, 64
 #            samples), its cache vs offcache, prefetch off/on (its weights-offloaded rows left
 #            out, OFFCACHE_BENCH_ONESHOT_WEIGHTS=0: over budget)

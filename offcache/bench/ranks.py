@@ -20,8 +20,8 @@ from collections import Counter
 
 # What the ranks' collectives are counted by: the torch.distributed functions a cache may call.
 COUNTED = ("broadcast_object_list", "all_gather_object", "barrier", "broadcast", "all_gather", "all_reduce",
-           "all_gather_into_tensor", "reduce_scatter_tensor", "gather_object", "scatter_object_list", "send",
-           "recv")  # fmt: skip
+           "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor", "gather_object",
+           "scatter_object_list", "send", "recv")  # fmt: skip
 # Every rank's environment besides torchrun's: freed tensors go back to the system at once (glibc
 # otherwise keeps them in its heap after the first large free, which a PSS reading would count),
 # and one OpenMP thread per rank.

@@ -42,6 +42,8 @@ WEIGHT_COUNTERS: dict[str, int | float] = {
     "weight_stream_waits": 0,  # onloads to a GPU whose copy was still in flight: its stream waited
     "weight_host_wait_seconds": 0.0,
     "weight_page_cache_bytes": 0,  # checkpoint bytes read through the page cache first (weights/node_warm.py)
+    "weight_sliced_prefetches": 0,  # sliced prefetches gathered (weights/node_sliced.py)
+    "weight_sliced_fetch_bytes": 0,  # of them, the bytes this rank fetched from the node region (its slices)
 }
 
 

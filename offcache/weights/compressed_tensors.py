@@ -71,6 +71,7 @@ except ModuleNotFoundError as _missing:  # one line naming the extra
 from loguru import logger  # llm-compressor's and compressed-tensors' logger: its INFO lines show
 
 from offcache import engine as _engine  # noqa: F401  (tests patch the engine through this module)
+from offcache.weights import node_sliced
 from offcache.weights.bookkeeping import (
     _flush_all,
     _Prefetched,
@@ -133,13 +134,15 @@ def _offloaded_of(modules) -> list[tuple[Any, Tensor]]:
 def prefetch(modules, target: int) -> int:
     """Fetch the offloaded weights of `modules` ahead, for subgraph `target`; returns bytes issued.
 
-    A tensor already prefetched is not fetched again.
+    A tensor already prefetched is not fetched again (but in the node region's sliced mode, whose
+    plan must not depend on what each rank holds: a write by one rank drops its copy only).
     When the device has no room, or the fetch fails, nothing is prefetched and the skip is
-    counted: a prefetch never fails a run.
+    counted: a prefetch never fails a run (a sliced one whose ranks disagree raises).
     """
     groups: dict[tuple[torch.device, type], list[tuple[Any, Tensor]]] = {}
+    sliced_mode = node_sliced.active()
     for cache, offloaded in _offloaded_of(modules):
-        if id(offloaded) in _state.prefetched:
+        if id(offloaded) in _state.prefetched and not (sliced_mode and getattr(cache, "_sliced_onload", False)):
             continue
         device = _onload_device(cache)
         # A weight this subgraph holds onloaded too (tied, shared) is fetched again, not aliased:
@@ -149,7 +152,20 @@ def prefetch(modules, target: int) -> int:
             continue  # e.g. a fetch would hand back the tensor itself: nothing to do ahead
         groups.setdefault((device, type(cache)), []).append((cache, offloaded))
     issued = 0
+    if sliced_mode:
+        # The node region's tensors, sliced between the node's ranks (1 or 2 collectives per
+        # onload device; the agreement even with nothing to fetch, so no rank is left waiting).
+        sliced = [key for key in groups if getattr(key[1], "_sliced_onload", False)]
+        for device in dict.fromkeys(key[0] for key in sliced) or [None]:
+            items = [item for key in sliced if key[0] == device for item in groups[key]]
+            done, rest = node_sliced.prefetch(items, device, target, _device_free_bytes)
+            issued += done
+            for key in sliced:
+                if key[0] == device:
+                    groups[key] = [item for item in rest if type(item[0]) is key[1]]
     for (device, _), items in groups.items():
+        if not items:
+            continue
         nbytes = sum(offloaded.nbytes for _, offloaded in items)
         free = _device_free_bytes(device)
         if free is not None and nbytes > free:

@@ -66,8 +66,12 @@ Where a later mapping cannot be registered (the memlock limit or the pinned budg
 mid-run, with tensors in the region already), one :class:`NodeRegionPinWarning` names the reason
 and that mapping's onloads are engine fetches from pageable memory (``stats()["unpinned"]``).
 
-Not yet: the sliced mode (each rank copies 1/N of a subgraph and the ranks all-gather it). The
-space of deleted or replaced tensors is not reused (the region only grows until the run ends).
+``OFFCACHE_NODE_ONLOAD=sliced`` (default ``full``): a prefetch of the region's tensors is shared
+out between the node's ranks, each fetching 1/N of it and all-gathering the rest (node_sliced.py).
+The set-up checks the setting on every rank (a garbage value, or ranks that disagree: ValueError).
+
+Not yet: the space of deleted or replaced tensors is not reused (the region only grows until the
+run ends).
 """
 
 from __future__ import annotations
@@ -92,6 +96,7 @@ except ModuleNotFoundError as _missing:  # one line naming the extra
     ) from None
 
 from offcache import engine as _engine  # noqa: E402
+from offcache.weights import node_sliced  # noqa: E402
 from offcache.weights.batch_offload import _BatchOffload  # noqa: E402
 from offcache.weights.bookkeeping import _drop_prefetched  # noqa: E402
 from offcache.weights.caches import COUNTERS, EngineCache, _fetch_host, _like, _onload  # noqa: E402
@@ -108,6 +113,7 @@ from offcache.weights.node_region import (  # noqa: E402
     node_key,
     node_limit,
 )
+from offcache.weights.node_sliced import NodeSlicedPlanError  # noqa: E402
 
 __all__ = [
     "NodeRegion",
@@ -116,6 +122,7 @@ __all__ = [
     "NodeRegionPinWarning",
     "NodeShapeMismatchError",
     "NodeSharedCPUCache",
+    "NodeSlicedPlanError",
     "cache_class",
     "node_key",
     "node_limit",
@@ -156,10 +163,15 @@ def _setup() -> str:
             raise OSError("os.memfd_create is not available on this platform")
     except OSError as exc:
         error = f"{key}: {exc}"
+    try:
+        mode = node_sliced.onload_mode()
+    except ValueError as exc:
+        mode = str(exc)
     keys: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(keys, (key, os.getpid(), error))
-    errors = [e for _, _, e in keys if e]
-    node_keys = [k for k, _, _ in keys]
+    dist.all_gather_object(keys, (key, os.getpid(), error, mode))
+    node_sliced.check_modes([m for _, _, _, m in keys])  # ValueError on every rank: garbage, or disagreement
+    errors = [e for _, _, e, _ in keys if e]
+    node_keys = [k for k, _, _, _ in keys]
     leader = node_keys.index(key)
     ranks = node_keys.count(key)  # the node's ranks: each maps the region
     region = None
@@ -195,6 +207,8 @@ def _setup() -> str:
             region.close()
         return errors[0]
     _node = _Node(region, node_keys)
+    if mode == "sliced":
+        node_sliced.setup(node_keys)  # collective: every rank got here
     return ""
 
 
@@ -225,6 +239,7 @@ def reset() -> None:
     _node = None
     _decided = None
     _fallback_reason = ""
+    node_sliced.reset()
 
 
 # --- the cache class ------------------------------------------------------------------------------
@@ -236,7 +251,10 @@ def _shape_of(t: torch.Tensor) -> tuple:
 
 class NodeSharedCPUCache(_BatchOffload, EngineCache, DistributedCPUCache):
     """compressed-tensors' ``DistributedCPUCache`` with its offloads in the node's region, a batch at
-    a time, and its onloads engine fetches from the region (prefetched as with one process)."""
+    a time, and its onloads engine fetches from the region (prefetched as with one process, or
+    sliced between the node's ranks: node_sliced.py)."""
+
+    _sliced_onload = True  # compressed_tensors.prefetch gives its prefetches to node_sliced in the sliced mode
 
     def __init__(self, onload_device, offload_device=None):
         super().__init__(onload_device, offload_device=offload_device)

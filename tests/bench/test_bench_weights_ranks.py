@@ -32,7 +32,7 @@ def test_weights_ranks_rows(tmp_path, capsys):
     assert main(["weights", "--ranks", "2", "--tiny", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     rows = {r["impl"]: r for r in results["weights_ranks"]}
-    assert set(rows) == {"compressed_tensors", "offcache", "per_rank", "goals"}
+    assert set(rows) == {"compressed_tensors", "offcache", "per_rank", "offcache_sliced", "goals"}
     ct, ours, per_rank = rows["compressed_tensors"], rows["offcache"], rows["per_rank"]
     assert ct["cache_class"] == "DistributedCPUCache"
     assert ours["cache_class"] == "NodeSharedCPUCache" and ours["region"]["decided"] == "node"
@@ -75,7 +75,22 @@ def test_weights_ranks_rows(tmp_path, capsys):
     assert ct["checksums"] == ours["checksums"] == per_rank["checksums"]
     assert ct["checksums"][0] != ct["checksums"][1], "each rank ran its own batches"
 
+    # The sliced mode (run for real here: gloo, host backend): the same outputs, each rank fetching
+    # about half of each prefetched subgraph, an agreement and a gather per prefetch.
+    sliced = rows["offcache_sliced"]
+    assert sliced["cache_class"] == "NodeSharedCPUCache" and sliced["same_results_as_offcache"] is True
+    assert sliced["checksums"] == ours["checksums"]
+    prefetches = sliced["engine"]["weight_sliced_prefetches"]
+    runs = shape["R"] + 1  # the pipeline runs, a warm-up's too (the onload rounds prefetch nothing)
+    assert prefetches == 2 * runs * (shape["S"] - 1), sliced["engine"]  # both ranks, S - 1 prefetches a run
+    assert sliced["pipeline_collectives"] == {"all_gather_single": 2 * runs * (shape["S"] - 1)}
+    assert 0 < sliced["collectives_per_subgraph"] <= 2 and sliced["collectives_same_on_every_rank"]
+    assert sliced["pss_over_weights"] < 1.3
+    assert ours["engine"]["weight_sliced_prefetches"] == per_rank["engine"]["weight_sliced_prefetches"] == 0
+    assert sliced["load_collectives"] == ours["load_collectives"]
+
     goals = rows["goals"]
+    assert goals["sliced_collectives_per_subgraph"]["pass"] is True
     assert goals["judged_timing"] is False  # no GPU here
     assert goals["node_pss_over_weights"]["value"] == ours["pss_over_weights"]
     assert goals["collectives_per_subgraph"]["pass"] is True

@@ -100,3 +100,64 @@ def test_cuda_mappings_unregistered_before_unmap(group):
     for stats in group.call(W + "drop_all"):
         assert stats["shared_mappings"] == stats["shared_registered_bytes"] == 0, stats
         assert stats["shared_unregister_failures"] == 0, stats
+
+
+# --- the sliced mode (offcache/weights/node_sliced.py): NCCL between two GPUs -------------------------
+
+
+@pytest.fixture(scope="module")
+def nccl_group():
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
+        pytest.skip(f"the sliced mode's CUDA path needs 2 GPUs (an NCCL all-gather between them); found {gpus}")
+    env = [{"OFFCACHE_BACKEND": "cuda", "CUDA_VISIBLE_DEVICES": str(r), "OFFCACHE_TEST_PG": "nccl"} for r in range(2)]
+    g = Group(2, env=env, setup="setup_node", timeout=300)
+    yield g
+    g.close()
+
+
+def test_cuda_sliced_walk_bit_identical_to_full_and_to_distributed_cpu_cache(nccl_group):
+    from tests.weights.weights_node_sliced_worker import S
+
+    group = nccl_group
+    assert group.call(W + "backend") == ["cuda", "cuda"]
+    assert group.call(S + "use_mode", "full") == [False, False]
+    full = group.call(S + "model_walk", 4, 257, "cuda", "ours")
+    theirs = group.call(S + "model_walk", 4, 257, "cuda", "theirs")
+    assert group.call(S + "use_mode", "sliced") == [True, True]
+    try:
+        sliced = group.call(S + "model_walk", 4, 257, "cuda", "ours")
+    finally:
+        group.call(S + "use_mode", "full")
+    for rank in range(2):
+        assert sliced[rank]["outs"] == full[rank]["outs"] == theirs[rank]["outs"]  # bit-identical
+        for r in sliced[rank]["records"][1:]:
+            # every weight came from the gather; the consumer's stream waited on it, the host did not
+            assert r["hits"] == 6 and r["misses"] == 0 and r["host_waits"] == 0, r
+        c = sliced[rank]["counters"]
+        assert c["weight_sliced_prefetches"] == 3 and c.get("weight_prefetch_skips", 0) == 0, c
+        assert 0.3 * c["weight_prefetch_bytes"] < c["weight_sliced_fetch_bytes"] < 0.7 * c["weight_prefetch_bytes"], c
+        assert sum(sliced[rank]["collectives"].values()) == 2 * 3, sliced[rank]["collectives"]
+
+
+def test_cuda_sliced_prefetch_then_write_and_misses_need_no_collective(nccl_group):
+    from tests.weights.weights_node_sliced_worker import S
+
+    group = nccl_group
+    group.call(S + "use_mode", "sliced")
+    try:
+        group.call(S + "offload_pair", "g", [((333, 77), "float32"), ((7,), "bfloat16"), ((3, 5), "int8")], "cuda")
+        for r in group.call(S + "prefetch", ["g"], 1):
+            assert sum(r["collectives"].values()) == 2 and r["counters"]["weight_sliced_prefetches"] == 1, r
+        group.call(S + "write", "g", "t0", 5, 0)
+        group.call(S + "mark")
+        for r in group.call(S + "onload", "g"):
+            assert r["collectives"] == {}, r  # a stale copy (rank 1) or a dropped one (rank 0) fetched alone
+            assert all(ours == theirs for ours, theirs in r["values"].values()), r
+        writer, reader = group.call(S + "since")
+        assert reader["weight_prefetch_stale"] == 1 and reader["weight_prefetch_hits"] == 2, reader
+        assert writer["weight_prefetch_hits"] == 2, writer
+    finally:
+        group.call(S + "use_mode", "full")

@@ -32,7 +32,8 @@ def _main(rank: int, world: int, port: int, conn, env: dict, setup: str | None) 
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    backend = os.environ.get("OFFCACHE_TEST_PG", "gloo")  # nccl: the sliced mode's GPU test
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     if setup:
         _resolve(setup)()
     conn.send(("ready", os.getpid()))
