@@ -16,6 +16,8 @@ pytest.importorskip("compressed_tensors")
 
 from tests.weights.weights_node_worker import Group, WorkerError  # noqa: E402
 
+M = "tests.weights.weights_node_memory_worker:"
+
 W = ("weight", (4, 5), "float32", 1, True, None)
 B = ("bias", (5,), "bfloat16", 2, False, None)
 
@@ -130,6 +132,18 @@ def test_two_torchrun_nodes_on_one_host_get_two_regions():
         g.close()
 
 
+def fd_targets(pid: int) -> list[str]:
+    """What a process's open files are, skipping any it closes while they are read (gloo's sockets close
+    when the peer dies, between the listing and the readlink)."""
+    targets = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            targets.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except FileNotFoundError:
+            continue
+    return targets
+
+
 def test_a_killed_rank_leaves_no_shared_memory_behind():
     before = set(os.listdir("/dev/shm"))
     g = Group(2, setup="setup_node")
@@ -139,8 +153,7 @@ def test_a_killed_rank_leaves_no_shared_memory_behind():
         os.kill(pids[1], signal.SIGKILL)
         g.procs[1].join(10)
         # rank 0 still holds the region (its fd); once it is gone too, so is the memory
-        fds = os.listdir(f"/proc/{pids[0]}/fd")
-        assert any(os.readlink(f"/proc/{pids[0]}/fd/{fd}").startswith("/memfd:offcache") for fd in fds)
+        assert any(target.startswith("/memfd:offcache") for target in fd_targets(pids[0]))
     finally:
         g.close(force=True)
     deadline = time.time() + 10
@@ -191,7 +204,7 @@ def test_a_memory_error_logs_compressed_tensors_hint_on_every_rank(group):
     offload on every rank (no rank left in a collective), each logging compressed-tensors' remediation hint."""
     for failing in (0, 1):
         for how in ("setitem", "from_mapping"):
-            results = group.call("memory_error", failing, how)
+            results = group.call(M + "memory_error", failing, how)
             for rank, result in enumerate(results):
                 assert "Cannot allocate memory" in result["error"], (failing, how, rank, result)
                 assert result["hint"], (failing, how, rank, result)
@@ -204,16 +217,16 @@ def test_node_host_memory_is_one_copy_where_per_rank_copies_are_two():
     """PSS summed over the 2 ranks (each shared page counted once, split between the ranks that map it):
     offcache's region adds at most 1.1x the weights' bytes; a copy per rank (compressed-tensors' CPUCache
     on each rank) adds about 2x, measured in the same ranks."""
-    from tests.weights.weights_node_worker import pss_bytes
+    from tests.weights.weights_node_memory_worker import pss_bytes
 
     n, mib = 4, 16
     weights = n * mib << 20
     g = Group(2, setup="setup_node")  # fresh ranks: nothing of other tests freed while measuring
     try:
         before = sum(map(pss_bytes, g.pids))
-        g.call("hold_weights", "node", "node", n, mib)
+        g.call(M + "hold_weights", "node", "node", n, mib)
         shared = sum(map(pss_bytes, g.pids))
-        g.call("hold_weights", "per_rank", "per_rank", n, mib)
+        g.call(M + "hold_weights", "per_rank", "per_rank", n, mib)
         per_rank = sum(map(pss_bytes, g.pids))
     finally:
         g.close()

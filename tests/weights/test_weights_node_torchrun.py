@@ -108,12 +108,16 @@ def holders(inode: int) -> list[str]:
             with open(f"/proc/{pid}/maps") as f:
                 if any("/memfd:offcache" in line and line.split()[4] == str(inode) for line in f):
                     found.append(f"{pid} maps it")
-            for fd in os.listdir(f"/proc/{pid}/fd"):
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        for fd in fds:
+            try:  # each descriptor on its own: one closed meanwhile must not hide the others
                 if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:offcache"):
                     if os.stat(f"/proc/{pid}/fd/{fd}").st_ino == inode:
                         found.append(f"{pid} holds fd {fd}")
-        except OSError:  # gone meanwhile, or not ours to read
-            continue
+            except OSError:
+                continue
     return found
 
 

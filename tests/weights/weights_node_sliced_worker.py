@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from tests.weights.weights_node_engine_worker import _Subgraph
 from tests.weights.weights_node_worker import _describe
 
 S = "tests.weights.weights_node_sliced_worker:"
@@ -80,17 +81,6 @@ class _Block(torch.nn.Module):
 
     def forward(self, x):
         return self.down(torch.relu(self.norm(self.up(x)))) * self.scale.float().mean() + x
-
-
-class _Subgraph:
-    def __init__(self, module):
-        self.module = module
-
-    def forward(self, model, x):
-        return self.module(x)
-
-    def submodules(self, model, recurse=True):
-        return list(self.module.modules())
 
 
 def _counters() -> dict:
