@@ -55,7 +55,8 @@ tensor; this one (weights offloaded to disk: offcache/weights/node_disk.py's ``N
 on return (visible to every rank of the node after a barrier, which an asynchronous write-back
 would not be), after this rank's copies still reading them. ``__delitem__``,
 ``disable_onloading`` / ``disable_offloading``, tied weights and tensor subclasses are
-compressed-tensors' ``DistributedCPUCache`` / ``CPUCache``.
+compressed-tensors' ``DistributedCPUCache`` / ``CPUCache``. Under compressed-tensors'
+``as_single_threaded()`` an offload is ``CPUCache``'s, this rank's alone (batch_offload.py).
 
 Fallbacks. Where memfd, the ``/proc`` hand-over or the registration of the region's first page
 (the probe every rank makes at set-up: a low memlock limit, the pinned budget) fails on any rank,
@@ -87,6 +88,7 @@ from offcache.util.extras import as_missing
 
 try:
     from compressed_tensors.distributed import get_source_rank, is_source_process
+    from compressed_tensors.offload.cache.cpu import CPUCache
     from compressed_tensors.offload.cache.dist_cpu import DistributedCPUCache
     from compressed_tensors.offload.cache.utils import catch_cpu_mem_error
     from compressed_tensors.offload.utils import to_tensor
@@ -263,7 +265,7 @@ class NodeSharedCPUCache(_BatchOffload, EngineCache, DistributedCPUCache):
     @classmethod
     def from_mapping(cls, mapping, onload_device, offload_device=None, **kwargs):
         instance = cls(onload_device=onload_device, offload_device=offload_device, **kwargs)
-        instance.offloaded_values = instance._offload_batch(dict(mapping))
+        instance.offloaded_values = instance._offload_mapping(dict(mapping))
         return instance
 
     # -- onload: an engine fetch from the region (offcache.weights.caches' onload) --
@@ -332,6 +334,10 @@ class NodeSharedCPUCache(_BatchOffload, EngineCache, DistributedCPUCache):
             _engine.shared_word_add(word, 1)
 
     # -- offload: a batch per module (offload, __setitem__, _name: _BatchOffload) --
+    def _offload_local(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Under compressed-tensors' as_single_threaded(): its CPUCache's offload (a local tensor)."""
+        return CPUCache.offload(self, tensor)
+
     @catch_cpu_mem_error  # compressed-tensors' remediation hint, as its from_mapping logs it (per offload)
     def _offload_batch(self, mapping: dict) -> dict:
         """Offload every tensor of `mapping` (name -> tensor or None): one broadcast, one all_gather."""

@@ -16,7 +16,8 @@ Under ``torch.distributed``, ``patch_llmcompressor(weights=True)`` gives compres
   every rank's verdict (also the barrier compressed-tensors' class ends with). A rank holding a
   (non-meta) tensor whose shape or dtype differs from the source's raises
   ``NodeShapeMismatchError`` on every rank, naming the tensor; meta tensors take the source's, as
-  compressed-tensors' class does.
+  compressed-tensors' class does. Under compressed-tensors' ``as_single_threaded()`` an offload is
+  ``DiskCache``'s, this rank's alone (batch_offload.py).
 - its onload ``OffcacheDiskCache``'s: the engine's ``fetch_file`` (8 MiB pieces into pinned
   bounce buffers, each piece's copy issued as soon as it is read), prefetched by the
   sequential pipeline's subgraphs as with one process.
@@ -92,7 +93,7 @@ class NodeDiskCache(_BatchOffload, OffcacheDiskCache, DistributedDiskCache):
     @classmethod
     def from_mapping(cls, mapping, onload_device, offload_device=None, **kwargs):
         instance = cls(onload_device=onload_device, offload_device=offload_device, **kwargs)
-        instance.offloaded_values = instance._offload_batch(dict(mapping))
+        instance.offloaded_values = instance._offload_mapping(dict(mapping))
         return instance
 
     # -- onload: the engine's fetch_file, after the page cache holds the bytes --
@@ -187,6 +188,10 @@ class NodeDiskCache(_BatchOffload, OffcacheDiskCache, DistributedDiskCache):
             _evict(path)  # compressed-tensors 0.20's handles held in disk_load_context
 
     # -- offload: a batch per module, an error on one rank raised on every rank (_BatchOffload) --
+    def _offload_local(self, tensor: Tensor) -> Tensor:
+        """Under compressed-tensors' as_single_threaded(): its DiskCache's offload (this rank's file)."""
+        return DiskCache.offload(self, tensor)
+
     def _offload_batch(self, mapping: dict) -> dict:
         """Offload every tensor of `mapping` (name -> tensor or None): one broadcast, one all_gather."""
         source = get_source_rank()
