@@ -114,6 +114,7 @@ from offcache.weights.node_region import (  # noqa: E402
     nbytes_of,
     node_key,
     node_limit,
+    plain,
 )
 from offcache.weights.node_sliced import NodeSlicedPlanError  # noqa: E402
 
@@ -451,9 +452,9 @@ class NodeSharedCPUCache(_BatchOffload, EngineCache, DistributedCPUCache):
                 f"{tuple(tensor.shape)} {tensor.dtype}"
             )
         storage, byte = region.storage(offset)
-        if region.locate(tensor) == offset and tensor.is_contiguous():
+        if region.locate(tensor) == offset:
             return tensor  # already this rank's view of these bytes
-        if tensor.is_meta or tensor.device.type != "cpu" or not tensor.is_contiguous():
+        if tensor.is_meta or tensor.device.type != "cpu" or not plain(tensor):
             target = to_tensor(torch.empty(0, dtype=dtype), tensor)
         else:
             target = tensor

@@ -66,6 +66,12 @@ def nbytes_of(dtype: torch.dtype, shape) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
+def plain(tensor: torch.Tensor) -> bool:
+    """Whether `tensor`'s bytes, in order, are its values: contiguous, no lazy conjugate or negative bit
+    (``Tensor.conj()`` is a contiguous view whose bytes are the unconjugated values)."""
+    return tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
+
+
 _pin_warned = False
 
 
@@ -162,8 +168,8 @@ class NodeRegion:
         return self._spans[start][1].untyped_storage(), offset - start
 
     def locate(self, tensor: torch.Tensor) -> int | None:
-        """The file offset of a CPU tensor's first byte if it lies in a span mapped here, else None."""
-        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        """The file offset of a plain CPU tensor's first byte if it lies in a span mapped here, else None."""
+        if tensor.device.type != "cpu" or not plain(tensor):
             return None
         ptr = tensor.data_ptr()
         i = bisect.bisect_right(self._addrs, (ptr, float("inf"))) - 1

@@ -35,3 +35,15 @@ def test_replace_module_parallel_offloads_each_rank_s_modules_alone_then_recoupl
         assert theirs[rank]["got"] == theirs[rank]["want"], (rank, theirs[rank])  # compressed-tensors' answer
         assert ours[rank]["kinds"] == (["NodeSharedCPUCache"] if where == "cpu" else ["NodeDiskCache"])
         assert ours[rank]["got"] == ours[rank]["want"], (rank, ours[rank])
+
+
+@pytest.mark.parametrize("meta_elsewhere", [False, True])
+def test_a_conjugate_or_negative_view_is_offloaded_with_its_values(group, meta_elsewhere):
+    """A contiguous view with a lazy conjugate (or negative) bit: the region holds its values (copy_
+    resolves the bit), and the offloaded tensor must not keep the bit on top of them. offcache's source
+    rank pointed the view itself at the region, bit and all: the conjugate of the value (compressed-tensors'
+    source rank keeps the view on its own bytes: right there)."""
+    results = group.call(E + "lazy_views", meta_elsewhere)
+    assert results[0]["theirs"] == results[0]["want"]  # compressed-tensors' source rank
+    for rank, result in enumerate(results):
+        assert result["ours"] == result["want"], (rank, result)

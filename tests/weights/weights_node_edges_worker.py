@@ -48,3 +48,29 @@ def module_parallel(impl: str, where: str, outs: list[int]) -> dict:
         if impl == "ours":
             oc_ct.unpatch()
     return {"kinds": kinds, "got": got, "want": want}
+
+
+def lazy_views(meta_elsewhere: bool) -> dict:
+    """Tensors carrying a lazy conjugate or negative bit (``Tensor.conj()``, ``torch._neg_view``: a
+    contiguous view whose stored bytes are not its values) offloaded by both classes from the source;
+    the other rank holds the same views (or meta tensors). What each class hands out on this rank, and
+    what it should be (the values, made plain)."""
+    from compressed_tensors.distributed import is_source_process
+    from compressed_tensors.offload.cache import DistributedCPUCache
+
+    from offcache.weights.node import NodeSharedCPUCache
+
+    def views():
+        g = torch.Generator().manual_seed(5)
+        return {
+            "conj": torch.randn(6, dtype=torch.complex64, generator=g).conj(),
+            "neg": torch._neg_view(torch.randn(2, 3, dtype=torch.complex64, generator=g)),
+        }
+
+    meta = meta_elsewhere and not is_source_process()
+    out = {"want": {n: _describe(v.resolve_conj().resolve_neg()) for n, v in views().items()}}
+    for label, cls in (("ours", NodeSharedCPUCache), ("theirs", DistributedCPUCache)):
+        mapping = {n: v.to("meta") if meta else v for n, v in views().items()}
+        cache = cls.from_mapping(mapping, "cpu")
+        out[label] = {n: _describe(cache[n].resolve_conj().resolve_neg()) for n in mapping}
+    return out
