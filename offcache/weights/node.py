@@ -69,7 +69,9 @@ and that mapping's onloads are engine fetches from pageable memory (``stats()["u
 
 ``OFFCACHE_NODE_ONLOAD=sliced`` (default ``full``): a prefetch of the region's tensors is shared
 out between the node's ranks, each fetching 1/N of it and all-gathering the rest (node_sliced.py).
-The set-up checks the setting on every rank (a garbage value, or ranks that disagree: ValueError).
+The set-up checks the setting on every rank (a garbage value, or ranks that disagree: ValueError), and
+in the sliced mode ``OFFCACHE_WEIGHT_PREFETCH`` too (every prefetch is a collective there: a rank that
+prefetches less, or raises on a garbage value, would leave the others in it).
 
 Not yet: the space of deleted or replaced tensors is not reused (the region only grows until the
 run ends).
@@ -101,7 +103,7 @@ from offcache import engine as _engine  # noqa: E402
 from offcache.weights import node_sliced  # noqa: E402
 from offcache.weights.batch_offload import _BatchOffload  # noqa: E402
 from offcache.weights.bookkeeping import _drop_prefetched  # noqa: E402
-from offcache.weights.caches import COUNTERS, EngineCache, _fetch_host, _like, _onload  # noqa: E402
+from offcache.weights.caches import COUNTERS, EngineCache, _fetch_host, _like, _onload, prefetch_depth  # noqa: E402
 from offcache.weights.node_region import (  # noqa: E402
     _ALIGN,
     _WORD,
@@ -170,11 +172,16 @@ def _setup() -> str:
         mode = node_sliced.onload_mode()
     except ValueError as exc:
         mode = str(exc)
+    try:
+        depth: int | str = prefetch_depth()
+    except ValueError as exc:
+        depth = str(exc)
     keys: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(keys, (key, os.getpid(), error, mode))
-    node_sliced.check_modes([m for _, _, _, m in keys])  # ValueError on every rank: garbage, or disagreement
-    errors = [e for _, _, e, _ in keys if e]
-    node_keys = [k for k, _, _, _ in keys]
+    dist.all_gather_object(keys, (key, os.getpid(), error, mode, depth))
+    # ValueError on every rank: garbage, or disagreement (the prefetch depth too, in the sliced mode)
+    node_sliced.check_modes([k[3] for k in keys], [k[4] for k in keys])
+    errors = [k[2] for k in keys if k[2]]
+    node_keys = [k[0] for k in keys]
     leader = node_keys.index(key)
     ranks = node_keys.count(key)  # the node's ranks: each maps the region
     region = None

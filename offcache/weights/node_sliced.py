@@ -75,9 +75,12 @@ def onload_mode() -> str:
     return raw
 
 
-def check_modes(modes: list[str]) -> None:
-    """Every rank's OFFCACHE_NODE_ONLOAD (or its parse error) as node.py's set-up gathered them:
-    raises ValueError on every rank where one is garbage or the ranks disagree."""
+def check_modes(modes: list[str], depths: list[int | str] | None = None) -> None:
+    """Every rank's OFFCACHE_NODE_ONLOAD (or its parse error) as node.py's set-up gathered them, and
+    its OFFCACHE_WEIGHT_PREFETCH (an int, or its parse error): raises ValueError on every rank where a
+    mode is garbage or the ranks disagree on it, and in the sliced mode, where every prefetch is a
+    collective, where a depth is garbage or the ranks disagree on it (a rank prefetching less, or
+    raising when its pipeline starts, would leave the others in the agreement)."""
     bad = [(rank, m) for rank, m in enumerate(modes) if m not in MODES]
     if bad:
         raise ValueError("; ".join(f"rank {rank}: {m}" for rank, m in bad))
@@ -86,6 +89,19 @@ def check_modes(modes: list[str]) -> None:
             "the ranks disagree on OFFCACHE_NODE_ONLOAD: "
             + ", ".join(f"rank {rank} {m!r}" for rank, m in enumerate(modes))
             + " (set it alike on every rank)"
+        )
+    if modes[0] != "sliced" or depths is None:
+        return
+    bad = [(rank, d) for rank, d in enumerate(depths) if not isinstance(d, int)]
+    if bad:
+        raise ValueError(
+            "; ".join(f"rank {rank}: {d}" for rank, d in bad) + " (OFFCACHE_NODE_ONLOAD=sliced: every rank reads it)"
+        )
+    if len(set(depths)) > 1:
+        raise ValueError(
+            "the ranks disagree on OFFCACHE_WEIGHT_PREFETCH: "
+            + ", ".join(f"rank {rank} {str(d)!r}" for rank, d in enumerate(depths))
+            + " (OFFCACHE_NODE_ONLOAD=sliced makes every prefetch a collective: set it alike on every rank)"
         )
 
 

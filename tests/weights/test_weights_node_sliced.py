@@ -56,6 +56,28 @@ def test_a_garbage_or_disagreeing_setting_raises_on_every_rank_at_set_up():
         g.close()
 
 
+@pytest.mark.parametrize("depths", [("0", "1"), ("1", "x")], ids=["disagree", "garbage"])
+def test_a_prefetch_depth_that_differs_or_is_garbage_on_a_rank_raises_on_every_rank_at_set_up(depths):
+    """In the sliced mode every prefetch is a collective: ranks with different OFFCACHE_WEIGHT_PREFETCH
+    (0 on one: it never prefetches) or a garbage one (that rank raises when the pipeline starts) left the
+    other rank in the agreement until the group's timeout. The set-up checks it on every rank."""
+    env = [{"OFFCACHE_NODE_ONLOAD": "sliced", "OFFCACHE_WEIGHT_PREFETCH": d} for d in depths]
+    g = Group(2, env=env, timeout=60)
+    try:
+        errors = g.call(S + "setup_error")
+        for e in errors:  # both ranks
+            assert e.startswith("ValueError") and "OFFCACHE_WEIGHT_PREFETCH" in e and "rank 1" in e, errors
+            assert repr(depths[1]) in e, errors
+    finally:
+        g.close()
+    # the full mode prefetches on each rank alone: no check there
+    g = Group(2, env=[{"OFFCACHE_NODE_ONLOAD": "full", "OFFCACHE_WEIGHT_PREFETCH": d} for d in depths], timeout=60)
+    try:
+        assert g.call(S + "setup_error") == ["", ""]
+    finally:
+        g.close()
+
+
 def test_sliced_walk_bit_identical_to_full_and_to_distributed_cpu_cache_in_two_collectives_a_subgraph(group):
     assert group.call(S + "use_mode", "full") == [False, False]
     full = group.call(S + "model_walk", N, 21, "cpu", "ours")
