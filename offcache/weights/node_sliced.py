@@ -75,7 +75,7 @@ def onload_mode() -> str:
     return raw
 
 
-def check_modes(modes: list[str], depths: list[int | str] | None = None) -> None:
+def check_modes(modes: list[str], depths: list[int | str]) -> None:
     """Every rank's OFFCACHE_NODE_ONLOAD (or its parse error) as node.py's set-up gathered them, and
     its OFFCACHE_WEIGHT_PREFETCH (an int, or its parse error): raises ValueError on every rank where a
     mode is garbage or the ranks disagree on it, and in the sliced mode, where every prefetch is a
@@ -90,7 +90,7 @@ def check_modes(modes: list[str], depths: list[int | str] | None = None) -> None
             + ", ".join(f"rank {rank} {m!r}" for rank, m in enumerate(modes))
             + " (set it alike on every rank)"
         )
-    if modes[0] != "sliced" or depths is None:
+    if modes[0] != "sliced":
         return
     bad = [(rank, d) for rank, d in enumerate(depths) if not isinstance(d, int)]
     if bad:
@@ -207,7 +207,7 @@ def prefetch(items: list[tuple[Any, torch.Tensor]], device: torch.device, target
     region_items, rest = [], []
     for cache, offloaded in items:
         region = getattr(cache, "_region", None)
-        offset = region.locate(offloaded) if region is not None and offloaded.is_contiguous() else None
+        offset = region.locate(offloaded) if region is not None else None  # None unless plain (node_region.plain)
         if offset is None or region.word_at(offset) is None:
             rest.append((cache, offloaded))
         else:
