@@ -30,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 import offcache
-from offcache.bench.common import Context, device_info, load_results, run_info, save_results
+from offcache.bench.common import Context, bench_disk_dir, device_info, env_switch, load_results, run_info, save_results
 
 ALL = ("transfer", "overlap", "small", "pipeline", "kv")
 SECTIONS = (*ALL, "soak", "oneshot", "disk", "weights", "hostwork")
@@ -83,6 +83,11 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--ranks must be >= 2 (the ranks of one node), got {args.ranks}")
         if "weights" not in sections_of(args):
             p.error("--ranks applies to the weights section only: python -m offcache.bench weights --ranks N")
+    for check in (lambda: env_switch("OFFCACHE_BENCH_ONESHOT_WEIGHTS"), bench_disk_dir):
+        try:  # a garbage setting stops the run before it starts, not in the section that reads it
+            check()
+        except ValueError as e:
+            p.error(str(e))
     args.command = " ".join([prog(), shlex.join(sys.argv[1:] if argv is None else argv)]).strip()
     return args
 

@@ -15,6 +15,28 @@ import torch
 import offcache
 
 
+def env_switch(name: str, default: bool = True) -> bool:
+    """A benchmark's on/off variable, read as the engine reads its own: 0 or 1, blank counts as unset."""
+    raw = os.environ.get(name, "").strip() or ("1" if default else "0")
+    if raw not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
+def bench_disk_dir() -> str | None:
+    """OFFCACHE_BENCH_DISK_DIR as an existing writable folder, or None (blank or unset) for the temp folder."""
+    raw = os.environ.get("OFFCACHE_BENCH_DISK_DIR", "")
+    if not raw.strip():
+        return None
+    path = os.path.abspath(raw)
+    if not os.path.isdir(path):
+        raise ValueError(f"OFFCACHE_BENCH_DISK_DIR: {path!r} is not a folder (make it first, or unset it for the "
+                         "system's temp folder)")  # fmt: skip
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"OFFCACHE_BENCH_DISK_DIR: cannot write to {path!r}")
+    return path
+
+
 @dataclass
 class Context:
     device: torch.device  # where "GPU" tensors live (the CPU on a GPU-less host)

@@ -21,14 +21,14 @@ import torch
 
 import offcache
 from offcache import engine as _engine
-from offcache.bench.common import Context, median
+from offcache.bench.common import Context, bench_disk_dir, median
 from offcache.bench.pipeline import Shape, run_one
 
 PIECE = 8 << 20  # the engine's disk piece: the raw baseline moves the same pieces
 
 
 def _folder() -> str:
-    return tempfile.mkdtemp(prefix="offcache-bench-disk-", dir=os.environ.get("OFFCACHE_BENCH_DISK_DIR"))
+    return tempfile.mkdtemp(prefix="offcache-bench-disk-", dir=bench_disk_dir())
 
 
 def _raw(folder: str, total: int) -> tuple[float, float]:

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 import offcache
-from offcache.bench.common import Context
+from offcache.bench.common import Context, env_switch
 from offcache.bench.models import save_llama
 
 # cuBLAS picks the same kernels run after run only with a fixed workspace; set before
@@ -80,7 +80,7 @@ WEIGHT_RUNS = [
 
 
 def weight_runs() -> list[tuple[str, bool]]:
-    return [] if os.environ.get("OFFCACHE_BENCH_ONESHOT_WEIGHTS", "1") == "0" else WEIGHT_RUNS
+    return WEIGHT_RUNS if env_switch("OFFCACHE_BENCH_ONESHOT_WEIGHTS") else []
 
 
 def calibration_set(shape: Shape):

@@ -37,7 +37,7 @@ from contextlib import contextmanager
 import torch
 
 import offcache
-from offcache.bench.common import Context, median, spread
+from offcache.bench.common import Context, bench_disk_dir, median, spread
 
 
 def _shape(ctx: Context) -> dict:
@@ -263,7 +263,7 @@ def _disk(ctx: Context, shape, dtype, bound: float) -> list[dict]:
     nbytes = 0
     for repeat in range(shape["R"] + 1):  # interleaved; the first round warms up (and the page cache)
         for impl in impls:
-            folder = tempfile.mkdtemp(prefix="offcache-bench-weights-", dir=os.environ.get("OFFCACHE_BENCH_DISK_DIR"))
+            folder = tempfile.mkdtemp(prefix="offcache-bench-weights-", dir=bench_disk_dir())
             try:
                 if impl != "disk_compressed_tensors":
                     oc_ct.patch()

@@ -58,6 +58,11 @@ DISK_SOURCE = (
 H200_GPU_BYTES = 141 * 10**9
 H200_GPU_SOURCE = "published: NVIDIA H200 datasheet, 141 GB HBM3e (no GPU visible here)"
 GPU_WEIGHT_SHARE = 0.9  # assumed: the rest of the GPU's memory is left to activations
+# What a rank holds besides offcache's host memory and the weights: the interpreter, torch and llm-compressor
+# (about 0.8 GiB of RSS at import, measured) and their working buffers. The planner's host-limit advice keeps
+# each rank's limit at most half of what is left of memory after these and the weights held there: the engine's
+# own rule (engine/config.py, DEFAULTS): the rest of the process needs at least as much again as the host limit.
+PROCESS_WORKING_SET = 1 << 30
 COLLATORS = ("truncation", "padding")
 SPLIT_APPROXIMATE = (
     "The disk tier's writes and reads are approximate: stores alternated between memory and disk over many "
@@ -387,6 +392,25 @@ def _weights(per_subgraph: list[int], total: int, walked: int, onload: str, gpu:
                    onload_bytes, int(onload_bytes * share))  # fmt: skip
 
 
+def safe_host_limit(memory: int, weights_in_memory: int, nproc: int = 1) -> int:
+    """The largest host limit per rank that the planner advises: half of the memory left after the weights held
+    there and each rank's working set (PROCESS_WORKING_SET), divided among the ranks."""
+    return max(memory - weights_in_memory - nproc * PROCESS_WORKING_SET, 0) // (2 * max(nproc, 1))
+
+
+def _advised_limit_text(need: int, safe: int) -> str:
+    """A setting of at least `need` bytes and at most `safe` (need <= safe): rounded up where that stays safe."""
+    for text in (_host_limit_text(need), f"{-(-need >> 20)}MiB"):
+        if _engine.parse_size(text) <= safe:
+            return text
+    return str(need)
+
+
+def _safe_limit_text(n: int) -> str:
+    """`n` bytes as a setting, rounded down (advice must stay at or below the safe limit)."""
+    return f"{n >> 30}GiB" if n >= 1 << 30 and n >> 30 << 30 >= n - (n >> 4) else f"{n >> 20}MiB"
+
+
 def _host_limit_text(n: int) -> str:
     gib = -(-n // GiB)
     return f"{gib}GiB" if gib * GiB <= n + GiB // 4 else f"{-(-n // (1 << 20))}MiB"
@@ -409,13 +433,27 @@ def _advice(p_peak: int, tiers: Tiers, weights: Weights, method: str, reason: st
         out.append(
             "Every batch is taken at --seq-len tokens: with samples of different lengths this is an upper bound."
         )
-    free = tiers.memory_bytes - weights.ram_bytes
-    if tiers.disk_bytes and nproc * p_peak <= free:  # every local rank's cache
-        need = _host_limit_text(p_peak)
+    safe = safe_host_limit(tiers.memory_bytes, weights.ram_bytes, nproc)
+    ranks = "each rank's working set" if nproc > 1 else "the process's working set"
+    held = f"{' per rank' if nproc > 1 else ''}: half of what is left beside the weights held there and {ranks} of " \
+           f"about {_h(PROCESS_WORKING_SET)}"  # fmt: skip
+    if tiers.disk_bytes and p_peak <= safe:
         out.append(
-            f"On this machine, the cache peak ({_h(p_peak)}) fits in memory ({_h(free)} beside the weights held there) "
-            f"but not under the host limit ({_h(tiers.host_limit_bytes)}): OFFCACHE_HOST_LIMIT={need} keeps it in "
-            "memory, with no disk tier."
+            f"On this machine, the cache peak ({_h(p_peak)}) fits under the host limit this machine holds safely "
+            f"({_h(safe)}{held}) but not under the one set ({_h(tiers.host_limit_bytes)}): "
+            f"OFFCACHE_HOST_LIMIT={_advised_limit_text(p_peak, safe)} keeps it in memory, with no disk tier."
+        )
+    elif tiers.disk_bytes and _engine.parse_size(_safe_limit_text(safe)) > tiers.host_limit_bytes:
+        out.append(
+            f"On this machine, the cache peak ({_h(p_peak)}) is more than this machine holds safely ({_h(safe)}{held})"
+            f": OFFCACHE_HOST_LIMIT={_safe_limit_text(safe)} keeps that much of it in memory and the "
+            "rest on the disk tier; a higher limit risks the kernel's OOM killer."
+        )
+    elif min(p_peak, tiers.host_limit_bytes) > safe:
+        out.append(
+            f"On this machine, the host limit ({_h(tiers.host_limit_bytes)}) lets the cache hold more than this "
+            f"machine holds safely ({_h(safe)}{held}): OFFCACHE_HOST_LIMIT={_safe_limit_text(safe)} "
+            "sends the rest to the disk tier instead of risking the kernel's OOM killer."
         )
     disk_need = nproc * tiers.disk_bytes + weights.disk_bytes
     if not tiers.fits or disk_need > tiers.disk_free_bytes and (weights.disk_bytes or nproc > 1):
@@ -542,7 +580,7 @@ def estimate(
                        (replay.bound_bytes - replay.peak_bytes, replay.bound_bytes, settings.get("max_in_flight", 0))
                        if onload == "cpu" and not copied_inline(settings) else None, nproc)
         + ([SPLIT_APPROXIMATE] if replay.approximate else []) + ([past_positions] if past_positions else [])
-        + plan_ranks.advice(node, _h), node=node,
+        + plan_ranks.advice(node, _h, safe_host_limit(tiers.memory_bytes, 0, nproc)), node=node,
     )  # fmt: skip
 
 

@@ -92,14 +92,22 @@ def node(nproc: int, nnodes: int, share: int, tiers, weights, settings: dict) ->
     )  # fmt: skip
 
 
-def advice(n: Node, text) -> list[str]:
-    """Advice for a torchrun job (`text`: bytes as text)."""
+def advice(n: Node, text, safe_per_rank: int | None = None) -> list[str]:
+    """Advice for a torchrun job (`text`: bytes as text; `safe_per_rank`: the largest host limit per rank the
+    planner advises on this machine, None for no bound)."""
     if n.world_size == 1 or n.weight_host_bytes <= n.weight_region_limit_bytes:
         return []
     per_rank_mib = -(-n.weight_host_bytes // (n.nproc_per_node << 20))
-    return [
+    said = (
         f"The offloaded weights in host memory ({text(n.weight_host_bytes)}) exceed what the node's shared "
         f"region may hold, the {n.nproc_per_node} ranks' host limits together ({text(n.weight_region_limit_bytes)}): "
-        f"offloading them would raise NodeRegionFullError; OFFCACHE_HOST_LIMIT={per_rank_mib}MiB (each rank's "
-        "limit, which its cache has too) or more holds them."
+        "offloading them would raise NodeRegionFullError; "
+    )
+    if safe_per_rank is not None and per_rank_mib << 20 > safe_per_rank:
+        return [
+            said + f"holding them would take OFFCACHE_HOST_LIMIT={per_rank_mib}MiB per rank, more than this machine "
+            f"holds safely ({text(safe_per_rank)} per rank): offload the weights to disk instead"
+        ]
+    return [
+        said + f"OFFCACHE_HOST_LIMIT={per_rank_mib}MiB (each rank's limit, which its cache has too) or more holds them."
     ]

@@ -288,6 +288,38 @@ def test_the_host_limit_advice_names_a_limit_that_holds_the_peak(engine_config, 
     assert offcache.engine.parse_size(limit) >= p.cache_peak_bytes
 
 
+def test_the_host_limit_advice_stays_inside_what_the_engine_deems_safe(engine_config, tmp_path, monkeypatch):
+    """The advice once named a limit of 70-80 % of memory (the whole peak) where the engine's own default is 25 %:
+    it must leave the weights, each rank's working set and as much again as the limit (the engine's rule)."""
+    from offcache.engine import machine
+    from offcache.plan import core
+
+    engine_config(backend="host", pinned_limit="1MiB", host_limit="1MiB", disk_dir=tmp_path)
+    peak = plan.estimate(shape=SHAPE, samples=64, seq_len=128).cache_peak_bytes
+    monkeypatch.setattr(core, "PROCESS_WORKING_SET", 1 << 20)
+    for memory, nproc in ((peak * 5 // 4, 1), (peak * 3, 2), (peak * 8, 2)):
+        monkeypatch.setattr(machine, "usable_memory_bytes", lambda m=memory: m)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(nproc))
+        p = plan.estimate(shape=SHAPE, samples=64, seq_len=128, nproc_per_node=nproc)
+        safe = (memory - p.weights.ram_bytes - nproc * (1 << 20)) // (2 * nproc)
+        assert core.safe_host_limit(memory, p.weights.ram_bytes, nproc) == safe
+        (advice,) = [a for a in p.advice if "OFFCACHE_HOST_LIMIT=" in a]
+        limit = offcache.engine.parse_size(advice.split("OFFCACHE_HOST_LIMIT=")[1].split()[0])
+        assert 1 << 20 < limit <= safe, (memory, nproc, advice)
+        if p.cache_peak_bytes <= safe:  # a rank's whole peak fits safely: the advice holds it
+            assert limit >= p.cache_peak_bytes and "keeps it in memory" in advice
+        else:
+            assert "rest on the disk tier" in advice
+    # A host limit already above what is safe is named, with the safe one.
+    engine_config(backend="host", pinned_limit="1MiB", host_limit=peak, disk_dir=tmp_path)
+    monkeypatch.setattr(machine, "usable_memory_bytes", lambda: peak)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    p = plan.estimate(shape=SHAPE, samples=64, seq_len=128)
+    (advice,) = [a for a in p.advice if "OFFCACHE_HOST_LIMIT=" in a]
+    assert "risking the kernel's OOM killer" in advice
+    assert offcache.engine.parse_size(advice.split("OFFCACHE_HOST_LIMIT=")[1].split()[0]) <= peak // 2
+
+
 def test_weights_are_placed_and_onloaded_per_subgraph(engine_config):
     config = transformers.LlamaConfig(**TINY)
     big = plan.estimate(config, samples=2, seq_len=8, gpu_bytes=1 << 40)

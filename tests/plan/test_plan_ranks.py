@@ -101,6 +101,25 @@ def test_weights_past_the_node_region_s_limit_are_advised(engine_config):
     assert not any("NodeRegionFullError" in a for a in alone.advice)
 
 
+def test_the_node_region_advice_stays_inside_what_the_machine_holds_safely(engine_config, monkeypatch):
+    """A limit that would hold the weights but not leave room for the ranks' working sets is not advised."""
+    from offcache.plan import core
+
+    engine_config(backend="host", pinned_limit="4KiB", host_limit="4KiB", disk_dir="none")
+    config = transformers.LlamaConfig(**TINY)
+    job = plan.estimate(config, samples=4, seq_len=8, gpu_bytes=1 << 10, nproc_per_node=2)
+    per_rank = -(-job.node.weight_host_bytes // (2 << 20)) << 20
+    monkeypatch.setattr(core, "PROCESS_WORKING_SET", 0)
+    monkeypatch.setattr(offcache.engine.machine, "usable_memory_bytes", lambda: 2 * 2 * per_rank - 1)
+    job = plan.estimate(config, samples=4, seq_len=8, gpu_bytes=1 << 10, nproc_per_node=2)
+    (advice,) = [a for a in job.advice if "NodeRegionFullError" in a]
+    assert "more than this machine holds safely" in advice and "offload the weights to disk" in advice
+    monkeypatch.setattr(offcache.engine.machine, "usable_memory_bytes", lambda: 2 * 2 * per_rank)
+    job = plan.estimate(config, samples=4, seq_len=8, gpu_bytes=1 << 10, nproc_per_node=2)
+    (advice,) = [a for a in job.advice if "NodeRegionFullError" in a]
+    assert f"OFFCACHE_HOST_LIMIT={per_rank >> 20}MiB" in advice and "or more holds them" in advice
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [({"nproc_per_node": 0}, "nproc_per_node"), ({"nnodes": -1}, "nnodes"), ({"nproc_per_node": 2.5}, "nproc_per_node"),
