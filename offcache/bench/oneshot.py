@@ -1,13 +1,15 @@
 """Section oneshot (``python -m offcache.bench oneshot``): llm-compressor's real sequential GPTQ.
 
 `oneshot(pipeline="sequential")` with GPTQ W4A16 on a random Llama (saved with
-`save_llama`, so it loads like a checkpoint), run four times: with
+`save_llama`, so it loads like a checkpoint), four kinds of run: with
 llm-compressor's own IntermediatesCache and with `offcache.patch_llmcompressor()`,
-each with `sequential_prefetch` off and on. Recorded per run: the wall time of
-`oneshot`, whether the weights are bit-identical to the reference run (the
-llm-compressor run with the same prefetch setting; llm-compressor with prefetch
-against llm-compressor without), and for offcache the speedup over
-llm-compressor with the same prefetch setting.
+each with `sequential_prefetch` off and on, each kind 5 times, interleaved, after
+one untimed oneshot that warms up. Recorded per kind: the median wall time of
+`oneshot` with its spread, whether the weights are bit-identical to the reference
+run (the llm-compressor run with the same prefetch setting; llm-compressor with
+prefetch against llm-compressor without), for offcache the speedup over
+llm-compressor with the same prefetch setting, and with prefetch the speedup over
+its own run without.
 
 Then three runs with the model's weights offloaded to the CPU (the model is left on the CPU, so
 the pipeline's ``set_onload_device`` wraps every module in compressed-tensors' ``CPUCache``):
@@ -37,7 +39,7 @@ from pathlib import Path
 import torch
 
 import offcache
-from offcache.bench.common import Context, env_switch
+from offcache.bench.common import Context, env_switch, median, spread
 from offcache.bench.models import save_llama
 
 # cuBLAS picks the same kernels run after run only with a fixed workspace; set before
@@ -147,16 +149,51 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
 
 
-def _warm_up(ctx: Context, model_dir: Path, dtype: torch.dtype, shape: Shape) -> None:
-    """First-use costs kept out of the first timed run: kernels, cuBLAS and cuSOLVER handles."""
-    model, _ = _load(ctx, model_dir, dtype)
-    with torch.no_grad():
-        model(torch.randint(4, shape.vocab_size, (1, shape.tokens), device=ctx.device))
-    h = torch.eye(256, device=ctx.device, dtype=torch.float32)
-    torch.linalg.cholesky(h)
-    torch.cholesky_inverse(h)
-    del model
+def _warm_up(ctx: Context, model_dir: Path, dtype: torch.dtype, shape: Shape, dataset) -> None:
+    """First-use costs kept out of the timed runs: one untimed GPTQ oneshot at full size (kernels, cuBLAS and
+    cuSOLVER handles, llm-compressor's own first-call costs: 0.91 s inside the first timed run once)."""
+    quantize(ctx, model_dir, dtype, shape, dataset, prefetch=False)
     gc.collect()
+
+
+def repeats_for(ctx: Context) -> int:
+    """Timed runs of each kind, interleaved: 5 (their median is the row's wall time); 1 at --tiny sizes."""
+    return 1 if ctx.tiny else 5
+
+
+def _reference(run: tuple[str, bool, bool]) -> tuple[str, bool, bool] | None:
+    """The run whose weights `run`'s must equal: llm-compressor with the same settings; for llm-compressor
+    itself, llm-compressor without prefetch with the weights on the device (None for that one)."""
+    impl, prefetch, offloaded = run
+    if impl == "llmcompressor":
+        return ("llmcompressor", False, False) if prefetch or offloaded else None
+    return ("llmcompressor", prefetch, offloaded)
+
+
+def _one_run(ctx: Context, model_dir: Path, dtype: torch.dtype, shape: Shape, dataset, run) -> tuple:
+    """(wall seconds, quantized state, counters) of one oneshot of kind `run` = (impl, prefetch, offloaded)."""
+    impl, prefetch, offloaded = run
+    offcache.unpatch_llmcompressor()
+    before = offcache.stats()
+    if impl != "llmcompressor":
+        offcache.empty_cache()  # each run pins its arena afresh, as a new process would
+        offcache.patch_llmcompressor(weights=impl == "offcache+weights")
+    try:
+        wall, state, after = quantize(ctx, model_dir, dtype, shape, dataset, prefetch, offloaded)
+    finally:
+        offcache.unpatch_llmcompressor()
+    counted = {
+        "offcache_stores": after["stores"] - before["stores"],
+        "offcache_d2h_bytes": after["d2h_bytes"] - before["d2h_bytes"],
+        "offcache_h2d_bytes": after["h2d_bytes"] - before["h2d_bytes"],
+        "wall_s_first": wall,
+    }
+    counted.update({k: after[k] - before[k] for k in after if k.startswith("weight_")})
+    if impl == "offcache+weights":  # per disable_offloading() context: hits, misses, waits
+        from offcache.weights import compressed_tensors as oc_ct
+
+        counted["weight_subgraphs"] = oc_ct.subgraph_stats()
+    return wall, state, counted
 
 
 def run_oneshot(ctx: Context) -> list[dict]:
@@ -178,46 +215,43 @@ def run_oneshot(ctx: Context) -> list[dict]:
             )  # fmt: skip
             dataset = calibration_set(shape)
             if not ctx.tiny:
-                _warm_up(ctx, model_dir, dtype, shape)
+                _warm_up(ctx, model_dir, dtype, shape, dataset)
             states: dict[tuple[str, bool, bool], dict] = {}
-            walls: dict[tuple[str, bool, bool], float] = {}
+            walls: dict[tuple[str, bool, bool], list[float]] = {}
+            same: dict[tuple[str, bool, bool], bool] = {}
+            counters: dict[tuple[str, bool, bool], dict] = {}
             runs = [(i, p, False) for i, p in RUNS] + [(i, p, True) for i, p in weight_runs()]
-            for impl, prefetch, offloaded in runs:
-                offcache.unpatch_llmcompressor()
-                before = offcache.stats()
-                if impl != "llmcompressor":
-                    offcache.empty_cache()  # each run pins its arena afresh, as a new process would
-                    offcache.patch_llmcompressor(weights=impl == "offcache+weights")
-                try:
-                    wall, state, after = quantize(ctx, model_dir, dtype, shape, dataset, prefetch, offloaded)
-                finally:
-                    offcache.unpatch_llmcompressor()
-                if impl == "llmcompressor":  # against llm-compressor without prefetch, weights on the device
-                    reference = ("llmcompressor", False, False) if prefetch or offloaded else None
-                else:
-                    reference = ("llmcompressor", prefetch, offloaded)
+            for _ in range(repeats_for(ctx)):  # interleaved: drift on the machine touches every run alike
+                for run in runs:
+                    wall, state, counted = _one_run(ctx, model_dir, dtype, shape, dataset, run)
+                    reference = _reference(run)
+                    if run not in states:
+                        states[run], counters[run] = state, counted
+                    walls.setdefault(run, []).append(wall)
+                    if reference is not None:
+                        same[run] = same.get(run, True) and _same(state, states[reference])
+            for run in runs:
+                impl, prefetch, offloaded = run
+                reference, wall = _reference(run), median(walls[run])
                 row = {
                     "impl": impl,
                     "prefetch": prefetch,
                     "weights": "offloaded to the CPU" if offloaded else "on the device",
                     "wall_s": wall,
+                    "wall_min_s": min(walls[run]),
+                    "wall_max_s": max(walls[run]),
+                    "spread": spread(walls[run]),
+                    "repeats": len(walls[run]),
                     "reference": None if reference is None else _name(reference),
-                    "bit_identical": None if reference is None else _same(state, states[reference]),
-                    "quantized": any(k.endswith("weight_scale") for k in state),
-                    "offcache_stores": after["stores"] - before["stores"],
-                    "offcache_d2h_bytes": after["d2h_bytes"] - before["d2h_bytes"],
-                    "offcache_h2d_bytes": after["h2d_bytes"] - before["h2d_bytes"],
+                    "bit_identical": same.get(run),
+                    "quantized": any(k.endswith("weight_scale") for k in states[run]),
+                    **counters[run],
                 }
-                row.update({k: after[k] - before[k] for k in after if k.startswith("weight_")})
-                if impl == "offcache+weights":  # per disable_offloading() context: hits, misses, waits
-                    from offcache.weights import compressed_tensors as oc_ct
-
-                    row["weight_subgraphs"] = oc_ct.subgraph_stats()
-                row["weight_wait_fraction"] = row["weight_host_wait_seconds"] / wall
+                row["weight_wait_fraction"] = row["weight_host_wait_seconds"] / row["wall_s_first"]
                 if impl != "llmcompressor":
-                    row["speedup_vs_llmcompressor"] = walls[("llmcompressor", prefetch, offloaded)] / wall
-                states[(impl, prefetch, offloaded)] = state
-                walls[(impl, prefetch, offloaded)] = wall
+                    row["speedup_vs_llmcompressor"] = median(walls[("llmcompressor", prefetch, offloaded)]) / wall
+                    if prefetch:  # what sequential_prefetch does to this cache: > 1 is faster with it
+                        row["prefetch_speedup"] = median(walls[(impl, False, offloaded)]) / wall
                 rows.append(row)
     finally:
         torch.set_num_threads(threads)
@@ -235,9 +269,10 @@ def describe(rows: list[dict]) -> str:
         if r["impl"] != "llmcompressor":
             where = "" if r["weights"] == "on the device" else ", weights offloaded"
             parts.append(
-                f"{r['impl']} prefetch {'on' if r['prefetch'] else 'off'}{where}: {r['wall_s']:.2f}s vs "
-                f"llm-compressor {r['wall_s'] * r['speedup_vs_llmcompressor']:.2f}s "
-                f"({r['speedup_vs_llmcompressor']:.2f}x)"
+                f"{r['impl']} prefetch {'on' if r['prefetch'] else 'off'}{where}: {r['wall_s']:.2f}s "
+                f"(spread {r['spread']:.0%} over {r['repeats']}) vs llm-compressor "
+                f"{r['wall_s'] * r['speedup_vs_llmcompressor']:.2f}s ({r['speedup_vs_llmcompressor']:.2f}x)"
+                + (f", {r['prefetch_speedup']:.2f}x its own time without prefetch" if "prefetch_speedup" in r else "")
             )
         if r["impl"] == "offcache+weights":
             parts.append(

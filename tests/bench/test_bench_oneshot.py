@@ -33,6 +33,8 @@ def test_oneshot_section_gives_bit_identical_weights(tmp_path, capsys):
     ]
     assert all(r["bit_identical"] is True for r in rows[1:]), rows
     assert all(r["quantized"] for r in rows)
+    assert all(r["repeats"] == 1 and r["wall_min_s"] <= r["wall_s"] <= r["wall_max_s"] for r in rows)
+    assert [r["impl"] for r in rows if "prefetch_speedup" in r] == ["offcache"]
     for r in rows:
         assert r["wall_s"] > 0
         if r["impl"] != "llmcompressor":
