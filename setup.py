@@ -18,6 +18,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 from setuptools import setup
@@ -76,17 +77,30 @@ def static_libstdcxx(cxx: list[str]) -> str | None:
     return found if os.path.isabs(found) and os.path.exists(found) else None
 
 
+LINKERS = ("LDSHARED", "LDCXXSHARED")  # setuptools' shared-object links: C objects, C++ objects
+
+
+def _linker(name: str) -> list[str]:
+    """The link command setuptools will run for `name` (LINKERS): the environment's, else Python's own."""
+    return shlex.split(os.environ.get(name) or sysconfig.get_config_var(name) or "")
+
+
 def choose_cxx() -> None:
-    """Keeps the C++ compiler torch's build helpers would use (CXX, else c++) unless it links pieces
-    of libstdc++ statically and a system g++ (9 or newer, for C++17) that does not is at hand: then
-    CXX and CC name that one, and the choice is printed."""
+    """Keeps the C++ compiler torch's build helpers would use (CXX, else c++) unless it, or the compiler
+    that links (LDSHARED, LDCXXSHARED), links pieces of libstdc++ statically and a system g++ (9 or newer,
+    for C++17) that does not is at hand: then CXX, CC and both link commands name that one (their flags
+    kept), and the choice is printed. The link matters as much as the compiling: the pieces come in there
+    (the H200's image named its devtoolset g++ for both)."""
     chosen = shlex.split(os.environ.get("CXX", "c++")) or ["c++"]
-    nonshared = static_libstdcxx(chosen)
-    if nonshared is None:
+    linkers = {name: _linker(name) for name in LINKERS}
+    found = {cmd[0]: static_libstdcxx(cmd) for cmd in (chosen, *([cmd[0]] for cmd in linkers.values() if cmd))}
+    offending = {name: nonshared for name, nonshared in found.items() if nonshared is not None}
+    if not offending:
         return
-    first = os.path.realpath(shutil.which(chosen[0]) or chosen[0])
+    nonshared = next(iter(offending.values()))
+    avoid = {os.path.realpath(shutil.which(name) or name) for name in offending}
     for cand in ("/usr/bin/g++", "/usr/bin/c++", shutil.which("g++"), shutil.which("c++")):
-        if not cand or not os.path.exists(cand) or os.path.realpath(cand) == first:
+        if not cand or not os.path.exists(cand) or os.path.realpath(cand) in avoid:
             continue
         major = _ask_compiler([cand], "-dumpversion").split(".")[0]
         if not major.isdigit() or int(major) < 9 or static_libstdcxx([cand]) is not None:
@@ -95,10 +109,13 @@ def choose_cxx() -> None:
         os.environ["CXX"] = cand
         if os.path.exists(cc):
             os.environ["CC"] = cc
+        for name, cmd in linkers.items():  # the same flags, the system compiler in front
+            flags = cmd[1:] if cmd else []
+            os.environ[name] = shlex.join([cand, *flags, *([] if "-shared" in flags else ["-shared"])])
         print(
-            f"offcache: building with {cand}, not {' '.join(chosen)}: that compiler links pieces of "
-            f"libstdc++ into every shared object ({nonshared}), which disagree with the libstdc++ "
-            "torch loads"
+            f"offcache: building and linking with {cand}, not {' '.join(chosen)} (LDSHARED "
+            f"{' '.join(linkers['LDSHARED'][:1]) or 'unset'}): that compiler links pieces of libstdc++ into "
+            f"every shared object ({nonshared}), which disagree with the libstdc++ torch loads"
         )
         return
 
@@ -242,22 +259,26 @@ print(engine._format_check(2147483648))
 
 def check_engine(engine: Path) -> None:
     """Loads the engine just built, beside torch, and has it format a number as its messages do.
-    A build whose numbers come out wrong (pieces of libstdc++ linked into it) is removed, with the
-    reason, instead of crashing its first error message."""
+    A build whose numbers come out wrong (pieces of libstdc++ linked into it), or that does not load
+    here at all, is removed and the build fails with the reason, instead of crashing its first error
+    message or failing at import. offcache/engine/loader.py checks the same at every import."""
     want = "[2147483648, 0.5]"
     try:
         done = subprocess.run(
             [sys.executable, "-c", FORMAT_CHECK, str(engine)], capture_output=True, text=True, timeout=600
         )
     except subprocess.SubprocessError as e:
-        print(f"offcache: the engine just built was not checked (loading it beside torch: {e})")
-        return
+        engine.unlink(missing_ok=True)
+        raise RuntimeError(f"offcache: the engine just built could not be checked beside torch ({e}); removed") from e
     got, why = done.stdout.strip(), done.stderr.strip()[-800:] or f"exit status {done.returncode}"
     if got == want:
         return
-    if not got and done.returncode > 0:  # it did not load here (an ImportError): nothing was formatted
-        print(f"offcache: the engine just built was not checked (loading it beside torch: {why})")
-        return
+    if not got and done.returncode > 0:  # it did not load here (an ImportError): the build is no good
+        engine.unlink(missing_ok=True)
+        raise RuntimeError(
+            f"offcache: the engine just built does not load beside torch {torch.__version__} here ({why}), so it "
+            "was removed; it would fail the same way at `import offcache`."
+        )
     engine.unlink(missing_ok=True)  # a wrong answer, or a crash (a signal) while loading or formatting
     cxx = os.environ.get("CXX", "c++")
     nonshared = static_libstdcxx(shlex.split(cxx) or ["c++"])

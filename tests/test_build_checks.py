@@ -23,12 +23,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 FORMATTER = r"""
 #include <Python.h>
+#include <csignal>
 #include <sstream>
 static PyObject* format_check(PyObject*, PyObject* arg) {
   std::ostringstream s;
 #ifdef OFFCACHE_TEST_WRONG_NUMBERS  // what the devtoolset build printed: numbers come out empty
   (void)arg;
   s << "[, ]";
+#elif defined(OFFCACHE_TEST_CRASH)  // what it did beside torch 2.11 on the H200: a segfault
+  (void)arg;
+  std::raise(SIGSEGV);
 #else
   s << "[" << static_cast<unsigned long>(PyLong_AsUnsignedLongLong(arg)) << ", " << 0.5 << "]";
 #endif
@@ -43,7 +47,7 @@ PyMODINIT_FUNC PyInit__C() { return PyModule_Create(&module); }
 @pytest.fixture
 def setup_py(monkeypatch):
     """setup.py as a module (its setup() call runs only as __main__); the environment it touches is restored."""
-    for name in ("CXX", "CC", "CUDA_HOME"):  # registered with monkeypatch, so restored afterwards
+    for name in ("CXX", "CC", "LDSHARED", "LDCXXSHARED", "CUDA_HOME"):  # registered with monkeypatch: restored
         if name in os.environ:
             monkeypatch.setenv(name, os.environ[name])
         else:
@@ -122,26 +126,29 @@ def test_an_engine_with_libstdcxx_linked_in_is_kept_exactly_when_it_formats_righ
         assert not linked.exists()
 
 
-def test_an_engine_that_does_not_load_here_is_kept_unchecked(setup_py, tmp_path, capsys):
-    """A build host that cannot load what it built (an ImportError, not a crash) keeps the build."""
+def test_an_engine_that_does_not_load_here_is_a_failure_with_its_reason(setup_py, tmp_path):
+    """An engine that does not load beside torch on the host that built it (an ImportError, not a crash) is a
+    failed build, with the reason: it used to be kept as "not checked", and then failed or crashed at import."""
     if shutil.which("g++") is None:
         pytest.skip("needs g++")
     source = tmp_path / "empty.cpp"
     source.write_text("int offcache_not_a_module = 1;\n")  # no PyInit__C: the import fails cleanly
     engine = tmp_path / "_C.so"
     subprocess.run(["g++", "-fPIC", "-shared", str(source), "-o", str(engine)], check=True, timeout=300)
-    setup_py.check_engine(engine)
-    assert engine.exists()
-    assert "was not checked" in capsys.readouterr().out
+    with pytest.raises(RuntimeError, match=r"does not load beside torch") as e:
+        setup_py.check_engine(engine)
+    assert "PyInit__C" in str(e.value), "the reason: what loading it said"
+    assert not engine.exists(), "a broken engine must not stay where the package would load it"
 
 
 def _fake_devtoolset(tmp_path: Path) -> Path:
-    """A compiler that says it links libstdc++_nonshared.a, as Red Hat's devtoolset does."""
+    """A compiler that says it links libstdc++_nonshared.a, as Red Hat's devtoolset does; every other call is
+    logged to calls.log (one line each) and handed to g++."""
     archive = tmp_path / "libstdc++_nonshared.a"
     archive.write_bytes(b"!<arch>\n")
     cxx = tmp_path / "devtoolset-g++"
     cxx.write_text(f'#!/bin/sh\n[ "$1" = -print-file-name=libstdc++_nonshared.a ] && echo {archive} && exit 0\n'
-                   'exec g++ "$@"\n')  # fmt: skip
+                   f'echo "$@" >>{tmp_path / "calls.log"}\nexec g++ "$@"\n')  # fmt: skip
     cxx.chmod(0o755)
     return cxx
 
@@ -166,3 +173,32 @@ def test_an_ordinary_compiler_is_kept(setup_py, monkeypatch):
     monkeypatch.setenv("CXX", "g++")
     setup_py.choose_cxx()
     assert os.environ["CXX"] == "g++"
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/bin/g++"), reason="needs a system g++ in /usr/bin")
+def test_the_link_step_leaves_a_compiler_that_links_libstdcxx_pieces_too(setup_py, tmp_path, monkeypatch):
+    """The H200's image named its devtoolset g++ for the link as well (the diagnosis log's link line starts
+    with /opt/gcc/bin/g++): replacing CXX alone left LDSHARED (and LDCXXSHARED) on it. Links of C++ and of C
+    objects, made the way setuptools makes them, must not call it."""
+    from setuptools._distutils.ccompiler import new_compiler
+    from setuptools._distutils.sysconfig import customize_compiler
+
+    if setup_py.static_libstdcxx(["/usr/bin/g++"]) is not None:
+        pytest.skip("the system g++ itself links libstdc++ pieces here")
+    fake = _fake_devtoolset(tmp_path)
+    for name in ("CXX", "LDSHARED", "LDCXXSHARED"):
+        monkeypatch.setenv(name, f"{fake} -shared" if name.startswith("LD") else str(fake))
+    setup_py.choose_cxx()
+    assert str(fake) not in os.environ["LDSHARED"] and str(fake) not in os.environ["LDCXXSHARED"], os.environ
+    source = tmp_path / "x.cpp"
+    source.write_text("int offcache_link_check() { return 1; }\n")
+    obj = tmp_path / "x.o"
+    subprocess.run(["g++", "-fPIC", "-c", str(source), "-o", str(obj)], check=True, timeout=300)
+    compiler = new_compiler()
+    customize_compiler(compiler)
+    for lang in ("c++", "c"):
+        out = tmp_path / f"linked-{lang}.so"
+        compiler.link_shared_object([str(obj)], str(out), target_lang=lang)
+        assert out.exists()
+    calls = tmp_path / "calls.log"
+    assert not calls.exists(), f"the devtoolset compiler was called: {calls.read_text()}"
