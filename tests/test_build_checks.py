@@ -202,3 +202,67 @@ def test_the_link_step_leaves_a_compiler_that_links_libstdcxx_pieces_too(setup_p
         assert out.exists()
     calls = tmp_path / "calls.log"
     assert not calls.exists(), f"the devtoolset compiler was called: {calls.read_text()}"
+
+
+def _load(path: Path):
+    spec = importlib.util.spec_from_file_location("_C", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_import_check_refuses_an_engine_whose_numbers_come_out_wrong_or_crash(tmp_path):
+    """A wheel built elsewhere meets this machine's libstdc++ only at import: the loader formats a number
+    through the engine (in a forked child, so that a crash is reported, not suffered) and refuses it."""
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++")
+    from offcache.engine import loader
+
+    loader.check_number_formatting(_load(_compile(tmp_path, "good")), "good")
+    bad = _load(_compile(tmp_path, "bad", "-DOFFCACHE_TEST_WRONG_NUMBERS"))
+    with pytest.raises(ImportError, match=r"formats 2147483648 and 0\.5 as '\[, \]', not '\[2147483648, 0\.5\]'") as e:
+        loader.check_number_formatting(bad, "bad/_C.so")
+    assert "bad/_C.so" in str(e.value) and "libstdc++" in str(e.value) and "CXX=g++" in str(e.value)
+    crash = _load(_compile(tmp_path, "crash", "-DOFFCACHE_TEST_CRASH"))
+    with pytest.raises(ImportError, match=r"crashed \(signal 11, SIGSEGV\) formatting 2147483648") as e:
+        loader.check_number_formatting(crash, "crash/_C.so")
+    assert "CXX=g++" in str(e.value)
+
+
+def test_the_engine_is_checked_when_it_is_imported(tmp_path, monkeypatch):
+    """offcache.engine.loader runs the check on the engine it loads, not only setup.py on the build host."""
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++")
+    import torch
+
+    import offcache
+    from offcache.engine import loader
+
+    bad = _load(_compile(tmp_path, "bad", "-DOFFCACHE_TEST_WRONG_NUMBERS"))
+    bad.torch_version, bad.cuda_version = str(torch.__version__), None
+    monkeypatch.setattr(offcache, "_C", bad)
+    monkeypatch.setitem(sys.modules, "offcache._C", bad)
+    with pytest.raises(ImportError, match=r"formats 2147483648 and 0\.5 as '\[, \]'"):
+        loader._load_engine()
+
+
+@pytest.mark.skipif(not _static_libstdcxx_available(), reason="needs g++ with a static libstdc++ (libstdc++.a)")
+def test_an_engine_with_libstdcxx_linked_in_passes_the_import_check_exactly_when_it_formats_right(tmp_path):
+    linked = _compile(tmp_path, "linked", "-static-libstdc++", "-Wl,-Bsymbolic-functions")
+    printed = _formats_beside_torch(linked)
+    script = f"""
+import importlib.util, torch
+from offcache.engine.loader import check_number_formatting
+spec = importlib.util.spec_from_file_location("_C", {str(linked)!r})
+engine = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(engine)
+try:
+    check_number_formatting(engine, "linked")
+    print("kept")
+except ImportError as e:
+    print("refused:", e)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("kept" if printed == "[2147483648, 0.5]" else "refused:"), (printed, done.stdout)

@@ -5,6 +5,8 @@ Nothing else in offcache imports offcache._C: the engine package is the seam.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 # What setup.py records next to the engine it builds (offcache/_C_build.json): the torch it was
@@ -47,6 +49,83 @@ def torch_mismatch(built: str, running: str, built_cuda: str | None = None) -> s
     )
 
 
+# What the engine's messages must read: c10::str of an integer and of a float, as in every error that holds a number.
+FORMAT_VALUE = 2147483648
+FORMAT_WANT = "[2147483648, 0.5]"
+FORMAT_CHILD_TIMEOUT_S = 30
+
+
+def _format_in_child(engine) -> tuple[str | None, str]:
+    """(what engine._format_check(FORMAT_VALUE) returns, '') in a forked child, so that a crash is seen, not
+    suffered: (None, why) when the child died of a signal; ('', why) when it gave no answer in time."""
+    import select
+    import signal
+    import warnings
+
+    if not hasattr(os, "fork"):
+        return engine._format_check(FORMAT_VALUE), ""
+    read, write = os.pipe()
+    with warnings.catch_warnings():  # Python warns of fork() in a process with threads; the child calls no lock
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # the child: format, answer, and leave without any exit handler
+        try:
+            os.close(read)
+            os.write(write, engine._format_check(FORMAT_VALUE).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    try:
+        answered, _, _ = select.select([read], [], [], FORMAT_CHILD_TIMEOUT_S)
+        got = b""
+        if answered:
+            while chunk := os.read(read, 4096):
+                got += chunk
+        else:
+            os.kill(pid, signal.SIGKILL)
+    finally:
+        os.close(read)
+    _, status = os.waitpid(pid, 0)
+    if not answered:
+        return "", f"no answer in {FORMAT_CHILD_TIMEOUT_S} s"
+    if os.WIFSIGNALED(status):
+        number = os.WTERMSIG(status)
+        try:
+            name = signal.Signals(number).name
+        except ValueError:
+            name = "unknown"
+        return None, f"signal {number}, {name}"
+    return got.decode(errors="replace"), ""
+
+
+def check_number_formatting(engine, where: str) -> None:
+    """Has the engine `engine` (loaded from `where`) format a number as its messages do, and raises an
+    ImportError naming the cause and the fix when it gets it wrong or crashes.
+
+    A compiler that links pieces of libstdc++ into every shared object (Red Hat's devtoolset / gcc-toolset,
+    the manylinux images' compilers) gives the engine a std::locale of its own, which disagrees with the
+    libstdc++ torch loads: every message holding a number came out empty or crashed the process (an H200,
+    2026-12-04). setup.py checks this on the build host; a wheel built elsewhere meets this machine's
+    libstdc++ only here. A child that gives no answer in time (a fork beside threads) leaves it unchecked.
+    """
+    got, crash = _format_in_child(engine)
+    if got == FORMAT_WANT or (got == "" and crash):
+        return
+    what = (
+        f"crashed ({crash}) formatting {FORMAT_VALUE} and 0.5"
+        if got is None
+        else f"formats {FORMAT_VALUE} and 0.5 as {got!r}, not {FORMAT_WANT!r}"
+    )
+    raise ImportError(
+        f"offcache's compiled engine ({where}) {what}: it was linked with pieces of libstdc++ (a Red Hat "
+        "devtoolset / gcc-toolset or manylinux compiler links libstdc++_nonshared.a into every shared object) "
+        "that disagree with the libstdc++ loaded here, so every engine message holding a number would be wrong "
+        "or crash the process. Fix: rebuild it on this machine with the system compiler, from a checkout: "
+        "`CXX=g++ CC=gcc pip install --no-build-isolation --no-deps --force-reinstall .` (setup.py picks the "
+        "system g++ by itself when CXX or LDSHARED names such a compiler)."
+    )
+
+
 def _load_engine():
     """offcache._C, refused with an ImportError when it was built against another torch."""
     from pathlib import Path
@@ -70,6 +149,7 @@ def _load_engine():
         ) from exc
     if _C.torch_version != running:  # an engine with no record (copied in, older build)
         raise ImportError(torch_mismatch(_C.torch_version, running, _C.cuda_version))
+    check_number_formatting(_C, getattr(_C, "__file__", None) or str(here))
     return _C
 
 
