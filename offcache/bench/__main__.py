@@ -30,7 +30,16 @@ import torch
 from tqdm import tqdm
 
 import offcache
-from offcache.bench.common import Context, bench_disk_dir, device_info, env_switch, load_results, run_info, save_results
+from offcache.bench.common import (
+    Context,
+    bench_disk_dir,
+    device_info,
+    env_choice,
+    env_switch,
+    load_results,
+    run_info,
+    save_results,
+)
 
 ALL = ("transfer", "overlap", "small", "pipeline", "kv")
 SECTIONS = (*ALL, "soak", "oneshot", "disk", "weights", "hostwork")
@@ -83,13 +92,25 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--ranks must be >= 2 (the ranks of one node), got {args.ranks}")
         if "weights" not in sections_of(args):
             p.error("--ranks applies to the weights section only: python -m offcache.bench weights --ranks N")
-    for check in (lambda: env_switch("OFFCACHE_BENCH_ONESHOT_WEIGHTS"), bench_disk_dir):
+    for check in (lambda: env_switch("OFFCACHE_BENCH_ONESHOT_WEIGHTS"), bench_disk_dir, _check_workload_settings):
         try:  # a garbage setting stops the run before it starts, not in the section that reads it
             check()
         except ValueError as e:
             p.error(str(e))
     args.command = " ".join([prog(), shlex.join(sys.argv[1:] if argv is None else argv)]).strip()
     return args
+
+
+def _check_workload_settings() -> None:
+    """The settings that cut a section's workload (the device check's), checked before any section runs."""
+    from offcache.bench.kv import CASES
+    from offcache.bench.oneshot import repeats_for
+    from offcache.bench.weights_ranks import IMPLS
+
+    env_switch("OFFCACHE_BENCH_WEIGHTS_DISK")
+    env_choice("OFFCACHE_BENCH_KV_CASES", CASES)
+    env_choice("OFFCACHE_BENCH_RANKS_IMPLS", IMPLS)
+    repeats_for(None)
 
 
 def sections_of(args: argparse.Namespace) -> list[str]:
@@ -152,6 +173,15 @@ def _run_key(name: str, args: argparse.Namespace) -> str:
     return "weights_ranks" if name == "weights" and getattr(args, "ranks", None) else name
 
 
+def _save_partial(path: Path, key: str, rows: list[dict], ctx: Context, command: str) -> None:
+    """The rows of section `key` measured so far, into results.json at once, marked partial in its run
+    (the section's full rows replace them when it ends): a run killed at a deadline keeps them."""
+    results = load_results(path)
+    results[key] = rows
+    results.setdefault("runs", {})[key] = {**run_info(ctx, command), "partial": True}
+    save_results(path, results)
+
+
 def run(args: argparse.Namespace) -> dict:
     """Run the sections `args` names, merge them into args.out/results.json, draw the plots."""
     device = torch.device(args.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
@@ -169,11 +199,14 @@ def run(args: argparse.Namespace) -> dict:
             print(why, file=sys.stderr, flush=True)
             skipped[name] = why
             continue
+        key = _run_key(name, args)
+        ctx.checkpoint = lambda rows, key=key: _save_partial(path, key, rows, ctx, args.command)
         measured = run_section(name, ctx, args)
+        ctx.checkpoint = None
         results = load_results(path)  # re-read: another run may have added sections meanwhile
         results.update(measured)
         results.get("skipped", {}).pop(name, None)
-        results.setdefault("runs", {})[_run_key(name, args)] = run_info(ctx, args.command)
+        results.setdefault("runs", {})[key] = run_info(ctx, args.command)
         results.update(
             device=device_info(device),
             backend=backend,

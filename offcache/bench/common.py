@@ -7,6 +7,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +44,14 @@ class Context:
     quick: bool
     tiny: bool
     backend: str
+    # Called with the rows a section has measured so far (python -m offcache.bench writes them to
+    # results.json at once), so that a run killed at its deadline keeps every number it measured.
+    checkpoint: Callable[[list[dict]], None] | None = None
+
+    def partial(self, rows: list[dict]) -> None:
+        """Hands the rows measured so far to the checkpoint, if any (a copy: the section goes on adding)."""
+        if self.checkpoint is not None:
+            self.checkpoint([dict(r) for r in rows])
 
     @property
     def gpu(self) -> bool:
@@ -174,3 +183,17 @@ def save_results(path: Path, results: dict) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(results, indent=2, default=str))
     tmp.replace(path)
+
+
+def env_choice(name: str, choices: tuple[str, ...], default: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    """The comma-separated subset of `choices` that the environment variable `name` names (its order kept),
+    else (unset or blank) `default`, all of `choices` by default. A value naming anything else is a ValueError
+    that lists the choices."""
+    raw = os.environ.get(name, "")
+    if not raw.strip():  # blank counts as unset, as in the engine's own variables
+        return tuple(choices if default is None else default)
+    picked = tuple(v.strip() for v in raw.split(",") if v.strip())
+    wrong = [v for v in picked if v not in choices]
+    if wrong or not picked:
+        raise ValueError(f"{name}={raw!r}: expected a comma-separated list of {', '.join(choices)}")
+    return picked

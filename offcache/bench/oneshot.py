@@ -156,9 +156,15 @@ def _warm_up(ctx: Context, model_dir: Path, dtype: torch.dtype, shape: Shape, da
     gc.collect()
 
 
-def repeats_for(ctx: Context) -> int:
-    """Timed runs of each kind, interleaved: 5 (their median is the row's wall time); 1 at --tiny sizes."""
-    return 1 if ctx.tiny else 5
+def repeats_for(ctx: Context | None) -> int:
+    """Timed runs of each kind, interleaved: 5 (their median is the row's wall time); 1 at --tiny sizes;
+    OFFCACHE_BENCH_ONESHOT_REPEATS=N sets it (the device check's budget holds 2). None: the setting checked."""
+    raw = os.environ.get("OFFCACHE_BENCH_ONESHOT_REPEATS", "").strip()
+    if raw and (not raw.isdigit() or int(raw) < 1):
+        raise ValueError(f"OFFCACHE_BENCH_ONESHOT_REPEATS must be a whole number >= 1, got {raw!r}")
+    if raw:
+        return int(raw)
+    return 1 if ctx is not None and ctx.tiny else 5
 
 
 def _reference(run: tuple[str, bool, bool]) -> tuple[str, bool, bool] | None:
@@ -221,6 +227,34 @@ def run_oneshot(ctx: Context) -> list[dict]:
             same: dict[tuple[str, bool, bool], bool] = {}
             counters: dict[tuple[str, bool, bool], dict] = {}
             runs = [(i, p, False) for i, p in RUNS] + [(i, p, True) for i, p in weight_runs()]
+
+            def made_rows() -> list[dict]:  # from the runs so far
+                rows = []
+                for run in runs:
+                    impl, prefetch, offloaded = run
+                    reference, wall = _reference(run), median(walls[run])
+                    row = {
+                        "impl": impl,
+                        "prefetch": prefetch,
+                        "weights": "offloaded to the CPU" if offloaded else "on the device",
+                        "wall_s": wall,
+                        "wall_min_s": min(walls[run]),
+                        "wall_max_s": max(walls[run]),
+                        "spread": spread(walls[run]),
+                        "repeats": len(walls[run]),
+                        "reference": None if reference is None else _name(reference),
+                        "bit_identical": same.get(run),
+                        "quantized": any(k.endswith("weight_scale") for k in states[run]),
+                        **counters[run],
+                    }
+                    row["weight_wait_fraction"] = row["weight_host_wait_seconds"] / row["wall_s_first"]
+                    if impl != "llmcompressor":
+                        row["speedup_vs_llmcompressor"] = median(walls[("llmcompressor", prefetch, offloaded)]) / wall
+                        if prefetch:  # what sequential_prefetch does to this cache: > 1 is faster with it
+                            row["prefetch_speedup"] = median(walls[(impl, False, offloaded)]) / wall
+                    rows.append(row)
+                return rows
+
             for _ in range(repeats_for(ctx)):  # interleaved: drift on the machine touches every run alike
                 for run in runs:
                     wall, state, counted = _one_run(ctx, model_dir, dtype, shape, dataset, run)
@@ -230,29 +264,8 @@ def run_oneshot(ctx: Context) -> list[dict]:
                     walls.setdefault(run, []).append(wall)
                     if reference is not None:
                         same[run] = same.get(run, True) and _same(state, states[reference])
-            for run in runs:
-                impl, prefetch, offloaded = run
-                reference, wall = _reference(run), median(walls[run])
-                row = {
-                    "impl": impl,
-                    "prefetch": prefetch,
-                    "weights": "offloaded to the CPU" if offloaded else "on the device",
-                    "wall_s": wall,
-                    "wall_min_s": min(walls[run]),
-                    "wall_max_s": max(walls[run]),
-                    "spread": spread(walls[run]),
-                    "repeats": len(walls[run]),
-                    "reference": None if reference is None else _name(reference),
-                    "bit_identical": same.get(run),
-                    "quantized": any(k.endswith("weight_scale") for k in states[run]),
-                    **counters[run],
-                }
-                row["weight_wait_fraction"] = row["weight_host_wait_seconds"] / row["wall_s_first"]
-                if impl != "llmcompressor":
-                    row["speedup_vs_llmcompressor"] = median(walls[("llmcompressor", prefetch, offloaded)]) / wall
-                    if prefetch:  # what sequential_prefetch does to this cache: > 1 is faster with it
-                        row["prefetch_speedup"] = median(walls[(impl, False, offloaded)]) / wall
-                rows.append(row)
+                ctx.partial([{**r, **asdict(shape)} for r in made_rows()])  # a kill keeps the rounds done
+            rows = made_rows()
     finally:
         torch.set_num_threads(threads)
         offcache.unpatch_llmcompressor()

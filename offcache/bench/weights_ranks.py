@@ -59,7 +59,7 @@ from contextlib import contextmanager
 import torch
 
 import offcache
-from offcache.bench.common import Context, median, spread
+from offcache.bench.common import Context, env_choice, median, spread
 from offcache.bench.ranks import CollectiveCounter, pss_bytes, settle, shm_free_bytes, spawn
 
 IMPLS = ("compressed_tensors", "offcache", "per_rank", "offcache_sliced")
@@ -92,15 +92,19 @@ def run_weights_ranks(ctx: Context, ranks: int, timeout_s: float | None = None) 
     dtype = torch.bfloat16 if ctx.gpu else torch.float32
     weight_bytes = weight_bytes_of(shape, dtype)
     impls, left_out = list(IMPLS), {}
+    wanted = env_choice("OFFCACHE_BENCH_RANKS_IMPLS", IMPLS)  # the device check runs offcache's alone
+    for impl in [i for i in impls if i not in wanted]:
+        impls.remove(impl)
+        left_out[impl] = "left out by OFFCACHE_BENCH_RANKS_IMPLS"
     free = shm_free_bytes()
-    if free is not None and free < 1.2 * weight_bytes:
+    if free is not None and free < 1.2 * weight_bytes and "compressed_tensors" in impls:
         impls.remove("compressed_tensors")
         left_out["compressed_tensors"] = (
             f"/dev/shm has {free} bytes free; compressed-tensors' DistributedCPUCache needs the weights' "
             f"{weight_bytes} bytes there (a file per tensor)"
         )
     gpus = torch.cuda.device_count() if ctx.gpu else 0
-    if ctx.gpu:
+    if ctx.gpu and "offcache_sliced" in impls:
         impls.remove("offcache_sliced")
         left_out["offcache_sliced"] = (
             f"needs {ranks} GPUs (one per rank) and NCCL for its all-gather; this run: {gpus} GPU(s), the ranks "
