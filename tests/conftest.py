@@ -44,6 +44,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+_GPU_MEMORY_CAPPED = []
+
+
+@pytest.fixture(autouse=True)
+def _gpu_memory_share(request):
+    """Before the first gpu-marked test of a process: its caching allocator capped at its share of the GPU
+    (tests.helpers.gpu_memory_fraction), so that no test takes the memory of the workers beside it."""
+    if request.node.get_closest_marker("gpu") is not None and not _GPU_MEMORY_CAPPED and torch.cuda.is_available():
+        from tests.helpers import cap_gpu_memory
+
+        cap_gpu_memory()
+        _GPU_MEMORY_CAPPED.append(True)
+    yield
+
+
 @pytest.fixture
 def engine_config():
     """Reconfigure the process-wide engine for one test, then restore the default."""

@@ -150,3 +150,20 @@ def run_with_this_checkout(script: str, cwd, timeout: float) -> subprocess.Compl
     root = str(Path(__file__).resolve().parent.parent)
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout, cwd=cwd,
                           env={**os.environ, "PYTHONPATH": child_pythonpath(root)})  # fmt: skip
+
+
+def gpu_memory_fraction(workers: int | None = None) -> float:
+    """The share of each GPU's memory that one test process may take: 0.9 of it split between the pytest-xdist
+    workers sharing the GPU (PYTEST_XDIST_WORKER_COUNT; one process: 0.9). On the H200, one test that filled
+    the GPU (132.8 of 139.8 GiB) beside 7 workers made 4 of their tests fail out of memory."""
+    if workers is None:
+        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    return 0.9 / max(1, workers)
+
+
+def cap_gpu_memory(device=None) -> None:
+    """Caps this process's caching allocator at gpu_memory_fraction() of `device` (default: every visible GPU).
+    tests/conftest.py does it before the first gpu-marked test; a test that sets a lower cap of its own puts
+    this one back afterwards (never 1.0: the whole GPU is the other workers' too)."""
+    for d in range(torch.cuda.device_count()) if device is None else [device]:
+        torch.cuda.set_per_process_memory_fraction(gpu_memory_fraction(), d)

@@ -8,7 +8,7 @@ import torch
 import offcache
 from offcache import IntermediatesCache
 from offcache import engine as _engine
-from tests.helpers import CPU, assert_same
+from tests.helpers import CPU, assert_same, cap_gpu_memory
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_engine")]
 
@@ -358,7 +358,7 @@ def test_staging_oom_does_not_flush_the_allocator_on_every_store():
         assert got["snapshot_fallbacks"] >= 10 and got["snapshot_oom_skips"] >= 8, got
         assert got["num_alloc_retries"] <= 2, got
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, DEV)
+        cap_gpu_memory(DEV)  # this worker's share again, not the whole GPU
         torch.cuda.empty_cache()
 
 

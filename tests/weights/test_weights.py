@@ -39,7 +39,7 @@ import offcache  # noqa: E402
 from offcache import engine as _engine  # noqa: E402
 from offcache.weights import compressed_tensors as oc_ct  # noqa: E402
 from offcache.weights.compressed_tensors import OffcacheCPUCache, OffcacheDiskCache  # noqa: E402
-from tests.helpers import checkpoint_disk_cache  # noqa: E402
+from tests.helpers import cap_gpu_memory, checkpoint_disk_cache  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -718,7 +718,7 @@ def test_gpu_prefetch_skipped_under_a_device_memory_limit():
         try:
             assert oc_ct.prefetch(linears, target=0) == 0
         finally:
-            torch.cuda.set_per_process_memory_fraction(1.0, device)
+            cap_gpu_memory(device)  # this worker's share again, not the whole GPU
         assert delta(before)["weight_prefetch_skips"] == 1
         assert oc_ct.prefetch(linears, target=0) == 2 * 2048 * 2049 * 4
         with disable_offloading():
