@@ -44,7 +44,7 @@
 # figures), results.json (every bench section), bandwidth.png, pipeline.png, timeline.png and
 # logs.tar.gz (every step's log, the GPU and package versions).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 ROOT=$PWD
 DRY=0
 case "${1:-}" in
@@ -104,6 +104,7 @@ declare -A DEADLINE CMD WHY HEAD
 # in whatever time is left.
 DEADLINE=([wheels]=4 [build]=54 [kv]=46 [bench]=48 [oneshot]=44 [gpu]=62 [weights]=32 [ranks]=32 [soak]=8 [tests]=0)
 # pytest-xdist (carried in .whl/) spreads the suite over the machine's cores; without it, one process.
+# shellcheck disable=SC2016  # $1 is the helper's own argument
 printf '#!/usr/bin/env bash\n"%s" -c "import xdist" 2>/dev/null && echo "-n $1"\n' "$PY" >"$WORK/xdist"
 CMD[wheels]="ls .whl/*.whl >/dev/null 2>&1 || { echo 'no .whl/: run bash scripts/device_wheels.sh before the device run, and carry .whl'; exit 3; }
   '$PY' -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target '$SITE' .whl/*.whl"
@@ -174,7 +175,9 @@ for i in "${!NAMES[@]}"; do
       *) status=fail ;;
     esac
     # A step that runs in the time left (deadline 0) is expected to be cut: its tests so far are the result.
-    [ "$status" = timeout ] && [ "${DEADLINE[$name]}" = 0 ] && ! grep -qE '(FAILED|ERROR) ' "$LOGS/$name.log" && status=cut
+    if [ "$status" = timeout ] && [ "${DEADLINE[$name]}" = 0 ] && ! grep -qE '(FAILED|ERROR) ' "$LOGS/$name.log"; then
+      status="cut"
+    fi
     [ "$name" = wheels ] && [ "$rc" = 0 ] && export PYTHONPATH=$PYTHONPATH:$SITE
     # shellcheck disable=SC2086
     line=$([ -n "${HEAD[$name]}" ] && headline ${HEAD[$name]})
