@@ -74,13 +74,16 @@ def test_a_kv_run_killed_after_its_first_case_keeps_it_and_the_headline_reads_it
     assert line.startswith("partial: cut short") and "short 8: " in line and "tok/s" in line, line
 
 
-def test_kv_cases_chosen_by_the_setting_and_a_wrong_one_named_before_any_work(tmp_path, monkeypatch):
+def test_kv_cases_chosen_by_the_setting_and_a_wrong_one_named_before_any_work(tmp_path, monkeypatch, capsys):
     from offcache.bench import kv
 
     monkeypatch.setenv("OFFCACHE_BENCH_KV_CASES", "short,sideways")
     _killed_at(monkeypatch, kv, "_model")
-    with pytest.raises(ValueError, match="OFFCACHE_BENCH_KV_CASES='short,sideways'"):
+    with pytest.raises(SystemExit):
         main(["kv", "--tiny", "--out", str(tmp_path)])
+    assert "OFFCACHE_BENCH_KV_CASES='short,sideways'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="OFFCACHE_BENCH_KV_CASES='short,sideways'"):  # the section's own check
+        kv.run_kv(None)
 
 
 def test_a_weights_run_killed_in_its_disk_rows_keeps_the_rows_before(tmp_path, monkeypatch):
@@ -99,7 +102,7 @@ def test_a_weights_run_killed_in_its_disk_rows_keeps_the_rows_before(tmp_path, m
     assert _headline("weights", tmp_path / "results.json").startswith("partial: cut short")
 
 
-def test_the_device_checks_weights_rows_leave_the_disk_out(tmp_path, monkeypatch):
+def test_the_device_checks_weights_rows_leave_the_disk_out(tmp_path, monkeypatch, capsys):
     pytest.importorskip("compressed_tensors")
     from offcache.bench import weights
 
@@ -112,8 +115,9 @@ def test_the_device_checks_weights_rows_leave_the_disk_out(tmp_path, monkeypatch
     assert by["disk"]["skipped"] == "left out by OFFCACHE_BENCH_WEIGHTS_DISK=0"
     assert "disk_host_waits_per_subgraph_prefetch" not in by["bars"] and "wait_share_prefetch" in by["bars"]
     monkeypatch.setenv("OFFCACHE_BENCH_WEIGHTS_DISK", "no")
-    with pytest.raises(ValueError, match="OFFCACHE_BENCH_WEIGHTS_DISK must be 0 or 1, got 'no'"):
+    with pytest.raises(SystemExit):
         main(["weights", "--tiny", "--out", str(tmp_path)])
+    assert "OFFCACHE_BENCH_WEIGHTS_DISK must be 0 or 1, got 'no'" in capsys.readouterr().err
 
 
 def test_the_oneshot_repeats_setting_and_a_garbage_one_stops_the_run_before_it_starts(monkeypatch, capsys):
