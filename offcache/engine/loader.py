@@ -58,6 +58,7 @@ FORMAT_CHILD_TIMEOUT_S = 30
 def _format_in_child(engine) -> tuple[str | None, str]:
     """(what engine._format_check(FORMAT_VALUE) returns, '') in a forked child, so that a crash is seen, not
     suffered: (None, why) when the child died of a signal; ('', why) when it gave no answer in time."""
+    import faulthandler
     import select
     import signal
     import warnings
@@ -70,6 +71,7 @@ def _format_in_child(engine) -> tuple[str | None, str]:
         pid = os.fork()
     if pid == 0:  # the child: format, answer, and leave without any exit handler
         try:
+            faulthandler.disable()  # a crash here is the answer, reported by the parent: no traceback dump
             os.close(read)
             os.write(write, engine._format_check(FORMAT_VALUE).encode())
         finally:
