@@ -133,7 +133,7 @@ if [ "$DRY" = 1 ]; then
   WHY[gpu]="dry run: no GPU"
   # A busy 2-core machine, no build and no GPU steps: the same budget, the time of the skipped
   # steps given to the CPU-bound ones (tests again takes what is left).
-  DEADLINE+=([kv]=40 [bench]=40 [oneshot]=60 [weights]=35 [ranks]=45)
+  DEADLINE+=([kv]=40 [bench]=40 [oneshot]=60 [weights]=45 [ranks]=90)
 fi
 
 {
