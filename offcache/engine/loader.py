@@ -100,6 +100,49 @@ def _format_in_child(engine) -> tuple[str | None, str]:
     return got.decode(errors="replace"), ""
 
 
+def _verdict_key(engine) -> str:
+    """What a passed check holds for: this engine file (path, inode, size, mtime) and the libstdc++ this process
+    loaded (the same, from /proc/self/maps); '' when either cannot be named (then the check runs every time)."""
+    import hashlib
+
+    path = getattr(engine, "__file__", None)
+    try:
+        with open("/proc/self/maps") as maps:
+            libs = sorted({line.split()[-1] for line in maps if "libstdc++" in line and "/" in line})
+        parts = []
+        for f in (path, *libs):
+            st = os.stat(f)
+            parts.append(f"{os.path.realpath(f)}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}")
+    except (OSError, TypeError):
+        return ""
+    if not libs:
+        return ""
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+def _verdict_dir() -> str:
+    xdg = (os.environ.get("XDG_CACHE_HOME") or "").strip()
+    base = xdg if os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "offcache", "format-checks")
+
+
+def _passed_before(key: str) -> bool:
+    return os.path.exists(os.path.join(_verdict_dir(), key))
+
+
+def _remember_pass(key: str) -> None:
+    """Record a passed check, so that later imports of the same engine beside the same libstdc++ skip the fork;
+    a folder that cannot be written only means the check runs again next time."""
+    if not key:
+        return
+    try:
+        os.makedirs(_verdict_dir(), exist_ok=True)
+        with open(os.path.join(_verdict_dir(), key), "w") as f:
+            f.write(f"{FORMAT_WANT}\n")
+    except OSError:
+        pass
+
+
 def check_number_formatting(engine, where: str) -> None:
     """Has the engine `engine` (loaded from `where`) format a number as its messages do, and raises an
     ImportError naming the cause and the fix when it gets it wrong or crashes.
@@ -109,9 +152,17 @@ def check_number_formatting(engine, where: str) -> None:
     libstdc++ torch loads: every message holding a number came out empty or crashed the process (an H200,
     2026-12-04). setup.py checks this on the build host; a wheel built elsewhere meets this machine's
     libstdc++ only here. A child that gives no answer in time (a fork beside threads) leaves it unchecked.
+    A pass is remembered per engine file and libstdc++ (under $XDG_CACHE_HOME/offcache, else ~/.cache/offcache):
+    the fork runs at the first import on a machine, not at every one.
     """
+    key = _verdict_key(engine)
+    if key and _passed_before(key):
+        return
     got, crash = _format_in_child(engine)
-    if got == FORMAT_WANT or (got == "" and crash):
+    if got == FORMAT_WANT:
+        _remember_pass(key)
+        return
+    if got == "" and crash:
         return
     what = (
         f"crashed ({crash}) formatting {FORMAT_VALUE} and 0.5"
