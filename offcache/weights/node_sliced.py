@@ -27,7 +27,9 @@ shared out between the node's ranks:
   agreement alone.
 - **Plan**: every region tensor of the prefetch's modules, prefetched already or not: what a
   rank holds prefetched differs between ranks (a write drops the writer's copy alone), the plan
-  must not. A copy prefetched again replaces the older one.
+  must not. A copy prefetched again replaces the older one. Each region entry (offset, dtype,
+  shape) counts once: a tied weight is one object on every rank (node.py's ``_adopt``), and a
+  second object over the same bytes is fetched by its rank alone.
 - **Streams** (CUDA): the gather runs on a stream of its own, after the slice's H2D copy (the
   stream waits on the fetch's event, the engine hands its allocations to that stream), and
   records an event the consumer's stream waits on at the onload; the slice, the fetched pieces
@@ -205,12 +207,19 @@ def prefetch(items: list[tuple[Any, torch.Tensor]], device: torch.device, target
     g = _groups
     assert g is not None, "node_sliced.prefetch is used only in the sliced mode"
     region_items, rest = [], []
+    entries: set[tuple] = set()
     for cache, offloaded in items:
         region = getattr(cache, "_region", None)
         offset = region.locate(offloaded) if region is not None else None  # None unless plain (node_region.plain)
+        entry = (offset, offloaded.dtype, tuple(offloaded.shape))
         if offset is None or region.word_at(offset) is None:
             rest.append((cache, offloaded))
+        elif entry in entries:
+            # Another object over the same region bytes (the plan counts each entry once, however
+            # many objects a rank holds for it): fetched by this rank alone, not aliased.
+            rest.append((cache, offloaded))
         else:
+            entries.add(entry)
             region_items.append((cache, offloaded, offset))
 
     # The layout: every tensor at an aligned offset of the flat buffer, n slices of S bytes.
