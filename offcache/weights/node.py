@@ -118,9 +118,10 @@ from offcache.weights.node_region import (  # noqa: E402
     node_limit,
     plain,
 )
-from offcache.weights.node_sliced import NodeSlicedPlanError  # noqa: E402
+from offcache.weights.node_sliced import NodeRankLostError, NodeSlicedPlanError  # noqa: E402
 
 __all__ = [
+    "NodeRankLostError",
     "NodeRegion",
     "NodeRegionFallbackWarning",
     "NodeRegionFullError",
@@ -218,7 +219,7 @@ def _setup() -> str:
         return errors[0]
     _node = _Node(region, node_keys)
     if mode == "sliced":
-        node_sliced.setup(node_keys)  # collective: every rank got here
+        node_sliced.setup(node_keys, [k[1] for k in keys])  # collective: every rank got here
     return ""
 
 

@@ -4,8 +4,12 @@ for real, with the same logic as on GPUs (tests/weights/test_gpu_weights_node.py
 
 Results bit-identical to the full mode and to compressed-tensors' DistributedCPUCache; at most 2
 collectives per subgraph; ranks that disagree on a prefetch get an error on every rank (not a hang);
-a rank without room makes every rank skip; a miss needs no collective; a bad setting is a clear error.
+a rank without room makes every rank skip; a miss needs no collective; a bad setting is a clear error;
+a rank killed mid-run is named by the survivor; a tied weight is one tensor on every rank.
 """
+
+import os
+import signal
 
 import pytest
 
@@ -306,3 +310,22 @@ def test_a_weight_tied_within_a_subgraph_is_one_tensor_on_every_rank_fetched_onc
     if mode == "sliced":  # every byte of the tied weight fetched from the region once, between the ranks
         fetched = [ours[rank]["counters"]["weight_sliced_fetch_bytes"] for rank in range(2)]
         assert sum(fetched) == tied_bytes, fetched
+
+
+def test_a_rank_killed_mid_run_is_named_by_the_survivor_s_sliced_prefetch():
+    """Rank 1 SIGKILLed (a zombie: not reaped yet) while rank 0 starts a sliced prefetch: rank 0's
+    agreement fails on the closed connection, and its error names the rank that stopped (it read
+    "the node's ranks did not agree on the prefetch")."""
+    env = [{"OFFCACHE_NODE_ONLOAD": "sliced"}] * 2
+    g = Group(2, env=env, timeout=60)
+    try:
+        assert g.call(S + "use_mode", "sliced") == [True, True]
+        g.call(S + "offload_pair", "a", [((12, 12), "float32")])
+        os.kill(g.pids[1], signal.SIGKILL)
+        g.conns[0].send((S + "prefetch", (["a"], 1)))
+        reply = g._recv(0)
+    finally:
+        g.close(force=True)
+    assert reply[0] == "err", reply
+    assert reply[1].startswith("NodeRankLostError: rank 0:"), reply[1]
+    assert f"rank 1 (pid {g.pids[1]}) exited during the agreement" in reply[1], reply[1]
