@@ -302,3 +302,21 @@ def prefetch_then_file_gone(mod: str, name: str) -> dict:
             out[key] = f"{type(exc).__name__}: {exc}"
     _state.prefetched.clear()
     return out
+
+
+def offload_with_page_cache(mod: str, folder: str, spec, value: str | None) -> str:
+    """offcache's class offloads with OFFCACHE_NODE_PAGE_CACHE=`value` on this rank (None: unset):
+    the error it raises ('' if none), the setting restored after."""
+    saved = os.environ.pop("OFFCACHE_NODE_PAGE_CACHE", None)
+    if value is not None:
+        os.environ["OFFCACHE_NODE_PAGE_CACHE"] = value
+    try:
+        offload(mod, folder, spec, classes=("ours",))
+    except ValueError as exc:
+        return f"ValueError: {exc}"
+    finally:
+        os.environ.pop("OFFCACHE_NODE_PAGE_CACHE", None)
+        if saved is not None:
+            os.environ["OFFCACHE_NODE_PAGE_CACHE"] = saved
+    return ""
+
