@@ -118,9 +118,10 @@ from offcache.weights.node_region import (  # noqa: E402
     node_limit,
     plain,
 )
-from offcache.weights.node_sliced import NodeSlicedPlanError  # noqa: E402
+from offcache.weights.node_sliced import NodeRankLostError, NodeSlicedPlanError  # noqa: E402
 
 __all__ = [
+    "NodeRankLostError",
     "NodeRegion",
     "NodeRegionFallbackWarning",
     "NodeRegionFullError",
@@ -218,7 +219,7 @@ def _setup() -> str:
         return errors[0]
     _node = _Node(region, node_keys)
     if mode == "sliced":
-        node_sliced.setup(node_keys)  # collective: every rank got here
+        node_sliced.setup(node_keys, [k[1] for k in keys])  # collective: every rank got here
     return ""
 
 
@@ -450,7 +451,9 @@ class NodeSharedCPUCache(_BatchOffload, EngineCache, DistributedCPUCache):
     def _adopt(self, name, tensor: torch.Tensor, region: NodeRegion, offset: int, dtype, shape) -> torch.Tensor:
         """`tensor` (this rank's) pointed at the region's bytes at `offset`, as compressed-tensors'
         class points it at the shared file: same object where it can be (a CPU tensor of the right
-        shape and dtype), else a new one with its class and attributes."""
+        shape and dtype), else the tensor this rank made for that entry already (a weight tied
+        across modules: one object, as on the source rank, whose tied modules hold one tensor),
+        else a new one with its class and attributes."""
         shape = torch.Size(shape)
         if not tensor.is_meta and (tensor.dtype != dtype or tensor.shape != shape):
             raise NodeShapeMismatchError(
@@ -460,7 +463,14 @@ class NodeSharedCPUCache(_BatchOffload, EngineCache, DistributedCPUCache):
             )
         storage, byte = region.storage(offset)
         if region.locate(tensor) == offset:
+            region.remember(tensor, offset)
             return tensor  # already this rank's view of these bytes
+        # A tie the source rank holds as one tensor, this rank as two (e.g. meta parameters of
+        # modules whose first offload replaced the tie): two objects here would make a sliced
+        # prefetch's plan differ between ranks, and the full mode fetch the weight twice.
+        existing = region.adopted(offset, dtype, shape)
+        if existing is not None and type(existing) is type(tensor):
+            return existing
         if tensor.is_meta or tensor.device.type != "cpu" or not plain(tensor):
             target = to_tensor(torch.empty(0, dtype=dtype), tensor)
         else:
@@ -468,6 +478,7 @@ class NodeSharedCPUCache(_BatchOffload, EngineCache, DistributedCPUCache):
         stride = torch.empty(shape, device="meta").stride()
         with torch.no_grad():
             target.set_(storage, storage_offset=byte // dtype.itemsize, size=shape, stride=stride)
+        region.remember(target, offset)
         return target
 
 

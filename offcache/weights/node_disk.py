@@ -28,7 +28,8 @@ Under ``torch.distributed``, ``patch_llmcompressor(weights=True)`` gives compres
   share the kernel's one read), and issues the engine's read once they are there, at the next
   call of this class (an onload or a prefetch) or at the onload that needs it. An onload
   nobody prefetched reads the page cache first in the same way, on the calling thread.
-  ``OFFCACHE_NODE_PAGE_CACHE=0`` turns this off (each rank reads the disk, O_DIRECT).
+  ``OFFCACHE_NODE_PAGE_CACHE=0`` turns this off (each rank reads the disk, O_DIRECT); every
+  offload checks it on every rank (a garbage value on one: ValueError on every rank, naming it).
 - a prefetched copy is served only while the tensor's file is the one it read (device, inode,
   size, modification and change times, taken before the read was issued): another rank's
   ``update_offload`` (after a barrier) makes it stale, and the onload reads the new file. A
@@ -198,6 +199,11 @@ class NodeDiskCache(_BatchOffload, OffcacheDiskCache, DistributedDiskCache):
         rank = dist.get_rank()
         names = [name for name, t in mapping.items() if t is not None]
         out = dict.fromkeys(mapping)
+        try:  # read by this rank's onloads: a garbage value raises here, on every rank, not there alone
+            page_cache_on()
+            setting = ""
+        except ValueError as exc:
+            setting = f"rank {rank}: {exc}"
         if is_source_process():
             entries: list[tuple] = []
             header: tuple = ("ok",)
@@ -240,12 +246,15 @@ class NodeDiskCache(_BatchOffload, OffcacheDiskCache, DistributedDiskCache):
             except Exception as exc:  # noqa: BLE001
                 error = f"rank {rank}: {type(exc).__name__}: {exc}"
         verdicts: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(verdicts, error)  # also the barrier compressed-tensors' class ends with
-        errors = [e for e in verdicts if e]
+        dist.all_gather_object(verdicts, (error, setting))  # also the barrier compressed-tensors' class ends with
+        errors = [e for e, _ in verdicts if e]
         if errors:
             if any("disagree" in e for e in errors):
                 raise NodeShapeMismatchError("; ".join(errors))
             raise RuntimeError("offcache's distributed disk offload failed: " + "; ".join(errors))
+        settings = [s for _, s in verdicts if s]
+        if settings:
+            raise ValueError("; ".join(settings) + " (NodeDiskCache's onloads read it on every rank: set it alike)")
         return out
 
     def _adopt(self, name: str, tensor: Tensor, file: str, weight_name: str, dtype_name: str, shape) -> Tensor:

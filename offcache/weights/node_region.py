@@ -18,6 +18,7 @@ import os
 import socket
 import struct
 import warnings
+import weakref
 
 import torch
 
@@ -95,6 +96,8 @@ class NodeRegion:
         self._addrs: list[tuple[int, int]] = []  # sorted (address where a span is mapped, its start)
         self._tensors: list[tuple[int, int, int]] = []  # sorted (offset, end, generation word offset)
         self._words: dict[int, torch.Tensor] = {}  # generation word offset -> its 8 bytes
+        # (offset, dtype, shape) -> this process's offloaded tensor of that entry (one object per entry)
+        self._adopted: dict[tuple, weakref.ref] = {}
         self.unpinned: list[str] = []  # why mappings were left unregistered (pageable)
         self.probe: torch.Tensor | None = None  # the header page, mapped through the engine
 
@@ -204,7 +207,22 @@ class NodeRegion:
             self._words[at] = torch.empty(0, dtype=torch.uint8).set_(storage, byte, (_WORD,))
         return self._words[at]
 
+    # -- this process's tensor of each entry --
+    def adopted(self, offset: int, dtype: torch.dtype, shape) -> torch.Tensor | None:
+        """The tensor this process offloaded at `offset` with `dtype` and `shape`, while it is alive
+        and still views those bytes as such; else None."""
+        ref = self._adopted.get((offset, dtype, tuple(shape)))
+        tensor = ref() if ref is not None else None
+        if tensor is None or tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
+            return None
+        return tensor if self.locate(tensor) == offset else None
+
+    def remember(self, tensor: torch.Tensor, offset: int) -> None:
+        """`tensor` is this process's offloaded tensor of the entry at `offset` (its dtype and shape)."""
+        self._adopted[(offset, tensor.dtype, tuple(tensor.shape))] = weakref.ref(tensor)
+
     def close(self) -> None:
+        self._adopted.clear()
         self._spans.clear()
         self._starts.clear()
         self._addrs.clear()

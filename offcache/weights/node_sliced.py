@@ -27,7 +27,9 @@ shared out between the node's ranks:
   agreement alone.
 - **Plan**: every region tensor of the prefetch's modules, prefetched already or not: what a
   rank holds prefetched differs between ranks (a write drops the writer's copy alone), the plan
-  must not. A copy prefetched again replaces the older one.
+  must not. A copy prefetched again replaces the older one. Each region entry (offset, dtype,
+  shape) counts once: a tied weight is one object on every rank (node.py's ``_adopt``), and a
+  second object over the same bytes is fetched by its rank alone.
 - **Streams** (CUDA): the gather runs on a stream of its own, after the slice's H2D copy (the
   stream waits on the fetch's event, the engine hands its allocations to that stream), and
   records an event the consumer's stream waits on at the onload; the slice, the fetched pieces
@@ -42,13 +44,16 @@ local tensor assigned under ``disable_onloading()``) are prefetched whole by eac
 
 Every rank must prefetch the same subgraphs in the same order (the sequential pipeline's first
 forward of each subgraph does): a rank that never prefetches a subgraph the others do leaves
-them in the agreement until the process group's timeout raises there.
+them in the agreement until the process group's timeout raises there. A rank of the node whose
+process exits (killed) or is stopped by a signal while the others are in a collective is named:
+:class:`NodeRankLostError` (the set-up recorded each rank's process), not a disagreement.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -65,6 +70,11 @@ _ALIGN = 64  # every tensor's offset in the flat buffer (any dtype's view is ali
 
 class NodeSlicedPlanError(RuntimeError):
     """The node's ranks disagree on a sliced prefetch (which tensors, or which subgraph)."""
+
+
+class NodeRankLostError(RuntimeError):
+    """A rank of the node stopped (its process exited, or was stopped by a signal) while the others
+    were in a sliced prefetch's collective: names the rank(s)."""
 
 
 def onload_mode() -> str:
@@ -108,21 +118,66 @@ def check_modes(modes: list[str], depths: list[int | str]) -> None:
 class _Groups:
     """This rank's node: its ranks, its place among them, the gather group and the agreement group."""
 
-    def __init__(self, gather: Any, agree: Any, ranks: list[int]):
+    def __init__(self, gather: Any, agree: Any, ranks: list[int], pids: list[int] | None = None):
         self.gather = gather  # None: the world group
         self.agree = agree  # a CPU (gloo) group; None: the world group (gloo itself)
         self.ranks = ranks
         self.size = len(ranks)
         self.index = ranks.index(dist.get_rank())
         self.world = dist.group.WORLD  # the process group it was made in
+        # The node's ranks' processes (this host's): (rank, pid, start time), to name one that stops.
+        self.procs = [(r, pids[r], _proc(pids[r])[1]) for r in ranks] if pids is not None else []
+
+
+def _proc(pid: int) -> tuple[str, int]:
+    """A process's state letter and start time (/proc/<pid>/stat); ("", -1) where it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return fields[0], int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return "", -1
+
+
+def _stopped(g: _Groups) -> list[str]:
+    """The node's other ranks whose process exited (gone, a zombie, its pid reused) or is stopped."""
+    out = []
+    for rank, pid, started in g.procs:
+        if rank == dist.get_rank():
+            continue
+        state, start = _proc(pid)
+        if not state or state in "ZX" or start != started:
+            out.append(f"rank {rank} (pid {pid}) exited")
+        elif state in "tT":
+            out.append(f"rank {rank} (pid {pid}) is stopped by a signal")
+    return out
+
+
+def _lost(g: _Groups, target: int, what: str, exc: BaseException) -> NodeRankLostError | None:
+    """The error naming the node's ranks that stopped, where `exc` (a collective's) came of one; a
+    closed connection may be seen just before the peer's exit shows: looked at for up to 2 s then."""
+    connection = any(w in str(exc).lower() for w in ("connection", "closed", "broken pipe", "reset by peer"))
+    deadline = time.monotonic() + (2.0 if connection else 0.0)
+    while True:
+        stopped = _stopped(g)
+        if stopped or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    if not stopped:
+        return None
+    return NodeRankLostError(
+        f"rank {dist.get_rank()}: offcache's sliced onload (OFFCACHE_NODE_ONLOAD=sliced) of subgraph {target}: "
+        f"{', '.join(stopped)} during the {what} ({type(exc).__name__}: {exc})"
+    )
 
 
 _groups: _Groups | None = None
 _streams: dict[torch.device, Any] = {}
 
 
-def setup(keys: list[str]) -> None:
-    """Make the sliced mode's groups (collective: every rank calls it, with every rank's node key).
+def setup(keys: list[str], pids: list[int] | None = None) -> None:
+    """Make the sliced mode's groups (collective: every rank calls it, with every rank's node key and
+    process id: a rank of this node that stops is named by the collective that fails).
 
     One node: the world group gathers (and agrees, where its backend is gloo). Several nodes: a
     group per node, every rank making each (``new_group``'s rule); gathers stay within a node."""
@@ -132,7 +187,7 @@ def setup(keys: list[str]) -> None:
     nodes = list(dict.fromkeys(keys))
     if len(nodes) == 1:
         agree = None if gloo else dist.new_group(backend="gloo")
-        _groups = _Groups(None, agree, list(range(len(keys))))
+        _groups = _Groups(None, agree, list(range(len(keys))), pids)
         return
     mine: tuple = ()
     for key in nodes:
@@ -140,7 +195,7 @@ def setup(keys: list[str]) -> None:
         gather = dist.new_group(ranks)
         agree = gather if gloo else dist.new_group(ranks, backend="gloo")
         if rank in ranks:
-            mine = (gather, agree, ranks)
+            mine = (gather, agree, ranks, pids)
     _groups = _Groups(*mine)
 
 
@@ -205,12 +260,19 @@ def prefetch(items: list[tuple[Any, torch.Tensor]], device: torch.device, target
     g = _groups
     assert g is not None, "node_sliced.prefetch is used only in the sliced mode"
     region_items, rest = [], []
+    entries: set[tuple] = set()
     for cache, offloaded in items:
         region = getattr(cache, "_region", None)
         offset = region.locate(offloaded) if region is not None else None  # None unless plain (node_region.plain)
+        entry = (offset, offloaded.dtype, tuple(offloaded.shape))
         if offset is None or region.word_at(offset) is None:
             rest.append((cache, offloaded))
+        elif entry in entries:
+            # Another object over the same region bytes (the plan counts each entry once, however
+            # many objects a rank holds for it): fetched by this rank alone, not aliased.
+            rest.append((cache, offloaded))
         else:
+            entries.add(entry)
             region_items.append((cache, offloaded, offset))
 
     # The layout: every tensor at an aligned offset of the flat buffer, n slices of S bytes.
@@ -255,6 +317,9 @@ def prefetch(items: list[tuple[Any, torch.Tensor]], device: torch.device, target
     try:
         _all_gather(every, mine, g.agree)
     except RuntimeError as exc:
+        lost = _lost(g, target, "agreement", exc)
+        if lost is not None:
+            raise lost from exc
         raise NodeSlicedPlanError(
             f"rank {dist.get_rank()}: offcache's sliced onload (OFFCACHE_NODE_ONLOAD=sliced) of subgraph "
             f"{target}: the node's ranks did not agree on the prefetch ({type(exc).__name__}: {exc}); every "
@@ -278,14 +343,20 @@ def prefetch(items: list[tuple[Any, torch.Tensor]], device: torch.device, target
 
     # Collective 2: the gather, after the slice landed (on CUDA: on the gather stream).
     event = None
-    if device.type == "cuda":
-        stream = _gather_stream(device)
-        with torch.cuda.stream(stream):
-            flat, slice_buf = _gather(g, device, n, slice_bytes, pieces, fetched, ticket)
-            event = torch.cuda.Event()
-            event.record(stream)
-    else:  # the host backend: the pieces were waited for before the agreement
-        flat, slice_buf = _gather(g, device, n, slice_bytes, pieces, fetched, None)
+    try:
+        if device.type == "cuda":
+            stream = _gather_stream(device)
+            with torch.cuda.stream(stream):
+                flat, slice_buf = _gather(g, device, n, slice_bytes, pieces, fetched, ticket)
+                event = torch.cuda.Event()
+                event.record(stream)
+        else:  # the host backend: the pieces were waited for before the agreement
+            flat, slice_buf = _gather(g, device, n, slice_bytes, pieces, fetched, None)
+    except RuntimeError as exc:
+        lost = _lost(g, target, "gather", exc)
+        if lost is not None:
+            raise lost from exc
+        raise
     shared_ticket = _Ticket(event, flat, [slice_buf, fetched, ticket])
     for (cache, offloaded, _), (at, nbytes), tag in zip(region_items, layout, tags):
         view = flat[at : at + nbytes].view(offloaded.dtype).view(offloaded.shape)

@@ -167,3 +167,16 @@ def test_page_cache_setting_is_checked():
             page_cache_on()
     finally:
         del os.environ["OFFCACHE_NODE_PAGE_CACHE"]
+
+
+def test_a_garbage_page_cache_setting_on_one_rank_raises_on_every_rank_at_its_first_offload(group, tmp_path):
+    """OFFCACHE_NODE_PAGE_CACHE was read at a rank's first disk onload only: a garbage value on one
+    rank raised there alone, and the other ranks waited in their next collective until the group's
+    timeout. Every offload (a collective of every rank) checks it: ValueError on every rank, naming
+    the rank and the value; the group goes on."""
+    got = group.call(W + "offload_with_page_cache", per_rank=[("pc", str(tmp_path), SPEC, None),
+                                                              ("pc", str(tmp_path), SPEC, "yes")])  # fmt: skip
+    for e in got:  # both ranks, not only the one with the garbage value
+        assert e.startswith("ValueError") and "rank 1" in e and "OFFCACHE_NODE_PAGE_CACHE" in e and "'yes'" in e, got
+        assert "rank 0" not in e, got
+    assert group.call(W + "offload_with_page_cache", "pc2", str(tmp_path), SPEC, "0") == ["", ""]

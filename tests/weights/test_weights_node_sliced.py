@@ -4,8 +4,12 @@ for real, with the same logic as on GPUs (tests/weights/test_gpu_weights_node.py
 
 Results bit-identical to the full mode and to compressed-tensors' DistributedCPUCache; at most 2
 collectives per subgraph; ranks that disagree on a prefetch get an error on every rank (not a hang);
-a rank without room makes every rank skip; a miss needs no collective; a bad setting is a clear error.
+a rank without room makes every rank skip; a miss needs no collective; a bad setting is a clear error;
+a rank killed mid-run is named by the survivor; a tied weight is one tensor on every rank.
 """
+
+import os
+import signal
 
 import pytest
 
@@ -273,3 +277,55 @@ def test_ranks_that_saw_different_generations_before_their_fetches_all_skip(grou
             assert r["issued"] == 9 * 9 * 4 and sum(r["collectives"].values()) == 2, r
     finally:
         group.call(S + "use_mode", "full")
+
+
+@pytest.mark.parametrize("mode", ["full", "sliced"])
+def test_a_weight_tied_within_a_subgraph_is_one_tensor_on_every_rank_fetched_once(group, mode):
+    """An embedding and a linear tied to it, prefetched together, the other rank's model on meta. The
+    source rank's two offloaded tensors are one object; the other rank adopted two objects over the same
+    region bytes, so in the sliced mode the ranks planned 1 and 2 tensors (NodeSlicedPlanError on every
+    rank), and the full mode fetched the tied weight twice there. One object per region entry on every
+    rank: bit-identical to compressed-tensors' DistributedCPUCache, the tied weight fetched once."""
+    theirs = group.call(S + "tied_walk", "cpu", "theirs")
+    assert group.call(S + "use_mode", mode) == [mode == "sliced"] * 2
+    try:
+        ours = group.call(S + "tied_walk", "cpu", "ours")
+    finally:
+        group.call(S + "use_mode", "full")
+    tied_bytes, first_bytes = 24 * 16 * 4, (16 * 16 + 16) * 4
+    for rank in range(2):
+        assert ours[rank]["outs"] == theirs[rank]["outs"] == theirs[0]["outs"], rank
+        assert ours[rank]["one_tensor"], rank  # as on the source rank
+        c = ours[rank]["counters"]
+        # subgraph 1 (the tied pair) prefetched once: one tensor, its bytes once, served by one hit
+        assert c["weight_prefetch_bytes"] == tied_bytes, c
+        assert ours[rank]["records"][1]["hits"] == 1 and ours[rank]["records"][1]["misses"] == 0, ours[rank]
+        if mode == "full":
+            # the region read: subgraph 0's onloads (2 tensors), then the tied weight once
+            assert c["shared_fetch_bytes"] == first_bytes + tied_bytes, c
+            assert sum(ours[rank]["collectives"].values()) == 0, ours[rank]["collectives"]
+        else:
+            assert c["weight_sliced_prefetches"] == 1 and c.get("weight_prefetch_skips", 0) == 0, c
+            assert sum(ours[rank]["collectives"].values()) == 2, ours[rank]["collectives"]
+    if mode == "sliced":  # every byte of the tied weight fetched from the region once, between the ranks
+        fetched = [ours[rank]["counters"]["weight_sliced_fetch_bytes"] for rank in range(2)]
+        assert sum(fetched) == tied_bytes, fetched
+
+
+def test_a_rank_killed_mid_run_is_named_by_the_survivor_s_sliced_prefetch():
+    """Rank 1 SIGKILLed (a zombie: not reaped yet) while rank 0 starts a sliced prefetch: rank 0's
+    agreement fails on the closed connection, and its error names the rank that stopped (it read
+    "the node's ranks did not agree on the prefetch")."""
+    env = [{"OFFCACHE_NODE_ONLOAD": "sliced"}] * 2
+    g = Group(2, env=env, timeout=60)
+    try:
+        assert g.call(S + "use_mode", "sliced") == [True, True]
+        g.call(S + "offload_pair", "a", [((12, 12), "float32")])
+        os.kill(g.pids[1], signal.SIGKILL)
+        g.conns[0].send((S + "prefetch", (["a"], 1)))
+        reply = g._recv(0)
+    finally:
+        g.close(force=True)
+    assert reply[0] == "err", reply
+    assert reply[1].startswith("NodeRankLostError: rank 0:"), reply[1]
+    assert f"rank 1 (pid {g.pids[1]}) exited during the agreement" in reply[1], reply[1]

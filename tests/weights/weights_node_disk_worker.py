@@ -302,3 +302,48 @@ def prefetch_then_file_gone(mod: str, name: str) -> dict:
             out[key] = f"{type(exc).__name__}: {exc}"
     _state.prefetched.clear()
     return out
+
+
+def offload_with_page_cache(mod: str, folder: str, spec, value: str | None) -> str:
+    """offcache's class offloads with OFFCACHE_NODE_PAGE_CACHE=`value` on this rank (None: unset):
+    the error it raises ('' if none), the setting restored after."""
+    saved = os.environ.pop("OFFCACHE_NODE_PAGE_CACHE", None)
+    if value is not None:
+        os.environ["OFFCACHE_NODE_PAGE_CACHE"] = value
+    try:
+        offload(mod, folder, spec, classes=("ours",))
+    except ValueError as exc:
+        return f"ValueError: {exc}"
+    finally:
+        os.environ.pop("OFFCACHE_NODE_PAGE_CACHE", None)
+        if saved is not None:
+            os.environ["OFFCACHE_NODE_PAGE_CACHE"] = saved
+    return ""
+
+
+def delete_race_lost(folder: str) -> dict:
+    """compressed-tensors' test_delete with its race lost (the order a busy machine can give): the source
+    rank onloads the tensor and deletes it, and only then (a barrier) the other rank onloads it. Each
+    class's error there ('' where it read the tensor)."""
+    from compressed_tensors.offload.cache.dist_disk import DistributedDiskCache
+
+    from offcache.weights.node_disk import NodeDiskCache
+
+    out = {}
+    for which, cls in (("ours", NodeDiskCache), ("theirs", DistributedDiskCache)):
+        offload_dir = Path(folder) / which / "tmp-rank0/test_delete0/offload_dir"  # as the harness names it
+        offload_dir.mkdir(parents=True, exist_ok=True)
+        cache = cls(torch.device("cpu"), offload_dir=str(offload_dir))
+        cache["weight"] = torch.ones(10)
+        if _source():
+            cache["weight"]
+            del cache["weight"]
+        _barrier()
+        out[which] = ""
+        if not _source():
+            try:
+                cache["weight"]
+            except Exception as exc:  # noqa: BLE001
+                out[which] = f"{type(exc).__name__}: {exc}"
+        _barrier()
+    return out

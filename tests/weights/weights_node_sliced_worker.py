@@ -227,3 +227,59 @@ def since() -> dict:
 
 def device_count() -> int:
     return torch.cuda.device_count()
+
+
+class _Tied(torch.nn.Module):
+    """An embedding and a bias-less linear tied to it (an lm_head), in one subgraph."""
+
+    def __init__(self, vocab: int, h: int):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, h)
+        self.head = torch.nn.Linear(h, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x):
+        ids = torch.arange(3, device=x.device)
+        return self.head(x + self.embed(ids).mean(0))
+
+
+def tied_walk(device: str, impl: str) -> dict:
+    """A linear, then an embedding and a linear tied to it (one subgraph, prefetched whole), offloaded
+    with compressed-tensors' offload_module; ranks other than the source build the model on meta (as
+    a model loaded on the source rank only). As model_walk, plus whether the tie is one offloaded
+    tensor here and the bytes fetched from the node region."""
+    from compressed_tensors.distributed import is_source_process
+    from compressed_tensors.offload import disable_offloading, offload_module
+
+    from offcache.weights import compressed_tensors as oc_ct
+
+    torch.manual_seed(0)
+    with torch.device("cpu" if is_source_process() else "meta"):  # (meta draws no random numbers)
+        first, tied = torch.nn.Linear(16, 16), _Tied(24, 16)
+    x = torch.randn(5, 16, generator=torch.Generator().manual_seed(1))
+    if impl == "ours":
+        oc_ct.patch()
+    try:
+        for module in [first, *tied.modules()]:
+            offload_module(module, device, "cpu")
+        offloaded = [m._parameters.offloaded_values["weight"] for m in (tied.embed, tied.head)]
+        before = _counters()
+        history = len(oc_ct.subgraph_stats())
+        subgraphs = [_Subgraph(first), _Subgraph(tied)]
+        if impl == "ours":
+            subgraphs = oc_ct._wrap_subgraphs(subgraphs)
+        outs, h_ = [], x.to(device)
+        with _Counting() as counting:
+            for subgraph in subgraphs:
+                with disable_offloading():
+                    subgraph.forward(None, h_)
+                    h_ = subgraph.forward(None, h_)
+                outs.append(_describe(h_.cpu()))
+        now = _counters()
+        records = oc_ct.subgraph_stats()[history:]
+    finally:
+        if impl == "ours":
+            oc_ct.unpatch()
+    counters = {k: now[k] - before[k] for k in now if now[k] != before[k]}
+    return {"outs": outs, "one_tensor": offloaded[0] is offloaded[1], "records": records, "counters": counters,
+            "collectives": counting.counts}  # fmt: skip
