@@ -33,8 +33,9 @@ struct SharedSpan {
   std::vector<EventPtr> fences;  // copies that read it, not yet seen complete (under mu)
   // Adds `event` (a copy reading the span); completed fences are dropped now and then.
   void add_fence(const EventPtr& event);
-  // The fences not yet complete.
+  // The fences not seen complete (all of them when a query throws: never fewer than pending).
   std::vector<EventPtr> pending();
+  void drop_completed_locked() noexcept;  // needs mu
 };
 
 // What map_shared() made: the span's bytes as a uint8 CPU tensor (its storage owns the mapping)
