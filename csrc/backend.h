@@ -121,6 +121,10 @@ class Backend {
   // `device` with its index filled in ("cuda" -> the current CUDA device);
   // raises a clear error if this backend cannot serve it.
   virtual c10::Device resolve_device(c10::Device device) const = 0;
+  // The GPU whose context the engine's own CUDA calls on callers' threads select (pinned
+  // registrations): the first one the engine used, else the calling thread's current one, now
+  // claimed; -1 without one (the host backend). Never throws.
+  virtual int claim_device() const { return -1; }
 
   // Event on the calling thread's current stream of `device`: the producer
   // of a store, the consumer of a fetch. Already complete for the CPU.

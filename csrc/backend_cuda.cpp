@@ -8,20 +8,17 @@
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <pthread.h>
-#include <sys/mman.h>
 #include <unistd.h>
 
 #include <array>
 #include <atomic>
 #include <cstdio>
 #include <mutex>
-#include <set>
 #include <utility>
 
 #include "backend_host.h"
 #include "cuda_check.h"
-#include "shared_region.h"
+#include "cuda_pinned.h"
 
 namespace offcache {
 namespace {
@@ -87,6 +84,9 @@ class CudaEvent final : public Event {
     ++counters_->events_recorded;
   }
   bool query() override {
+    // On the event's device: a caller's thread whose current device is another (a deleter, a
+    // Python thread on GPU 0 of a rank on cuda:1) would otherwise make a context there.
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(pool_->device()));
     // Relaxed: a query from a thread that captures a graph (or while another thread captures
     // in global mode) would otherwise invalidate that capture.
     c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
@@ -107,7 +107,8 @@ class CudaEvent final : public Event {
     return true;
   }
   void wait() override {
-    c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);  // as query()
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(pool_->device()));  // as query()
+    c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
     OFFCACHE_CUDA_CHECK(cudaEventSynchronize(event_));
   }
   void wait_current(int device) override {
@@ -254,174 +255,6 @@ class CudaCopyStream final : public CopyStream {
   cudaStream_t stream_ = nullptr;
 };
 
-// Fork. A child cannot use the parent's CUDA context, events or registrations,
-// and its pinned pages are wiped (MADV_WIPEONFORK): reading a stored tensor
-// there would silently give zeros. So the child's copies of every pinned chunk
-// become PROT_NONE (a read faults), and every CUDA backend learns it is in a
-// child from a generation counter (no getpid() per call).
-std::mutex g_pinned_mu;
-std::set<std::pair<void*, size_t>>& pinned_chunks() {
-  static auto* chunks = new std::set<std::pair<void*, size_t>>();  // never destroyed: atfork
-  return *chunks;
-}
-std::atomic<uint64_t> g_fork_generation{0};
-
-void pinned_before_fork() { g_pinned_mu.lock(); }
-void pinned_after_fork_parent() { g_pinned_mu.unlock(); }
-void pinned_after_fork_child() {
-  for (const auto& [ptr, bytes] : pinned_chunks()) (void)mprotect(ptr, bytes, PROT_NONE);
-  g_fork_generation.fetch_add(1);
-  g_pinned_mu.unlock();
-}
-// Registered when the library loads, before any engine or host stream: its
-// prepare handler then runs last, after the streams drained and the engines'
-// locks were taken (a release holds an engine lock, then g_pinned_mu).
-const int g_fork_handlers =
-    pthread_atfork(&pinned_before_fork, &pinned_after_fork_parent, &pinned_after_fork_child);
-
-// The calling thread's capture mode relaxed for its scope, for the chunk
-// registrations: they run on callers' threads (a store or fetch, a storage
-// deleter, synchronize, empty_cache, the thread deleting a retired engine),
-// where a graph capture in global or thread-local mode (this thread's or
-// another's) would make cudaHostRegister / cudaHostUnregister fail and
-// invalidate the capture. Never throws: if the mode cannot be exchanged it is
-// left as it was.
-class RelaxedCapture {
- public:
-  RelaxedCapture() noexcept {
-    ok_ = cudaThreadExchangeStreamCaptureMode(&mode_) == cudaSuccess;
-    if (!ok_) (void)cudaGetLastError();
-  }
-  ~RelaxedCapture() {
-    if (ok_ && cudaThreadExchangeStreamCaptureMode(&mode_) != cudaSuccess) (void)cudaGetLastError();
-  }
-  RelaxedCapture(const RelaxedCapture&) = delete;
-  RelaxedCapture& operator=(const RelaxedCapture&) = delete;
-
- private:
-  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
-  bool ok_;
-};
-
-}  // namespace
-
-// offcache.weights.node's shared mappings (shared_region.h): registered on the calling thread in
-// relaxed capture mode, as the arena's chunks are, every return code checked.
-bool cuda_register_host(void* ptr, size_t bytes, std::string* error) {
-  cudaError_t err;
-  {
-    RelaxedCapture relaxed;
-    err = cudaHostRegister(ptr, bytes, cudaHostRegisterPortable);
-  }
-  if (err == cudaSuccess) return true;
-  (void)cudaGetLastError();
-  *error = std::string("cudaHostRegister of ") + std::to_string(bytes) +
-           " bytes failed: " + cudaGetErrorName(err) + ": " + cudaGetErrorString(err);
-  return false;
-}
-
-bool cuda_unregister_host(void* ptr, std::string* error) noexcept {
-  cudaError_t err;
-  {
-    RelaxedCapture relaxed;
-    err = cudaHostUnregister(ptr);
-  }
-  if (err == cudaSuccess) return true;
-  (void)cudaGetLastError();
-  try {
-    *error = std::string("cudaHostUnregister failed: ") + cudaGetErrorName(err) + ": " +
-             cudaGetErrorString(err);
-  } catch (...) {  // NOLINT(bugprone-empty-catch): no memory for the message
-  }
-  return false;
-}
-
-namespace {
-
-// Pinned chunks: page-touched anonymous memory registered with the driver,
-// much cheaper per GiB than cudaHostAlloc. Registration failure (memlock
-// limits) returns nullptr so the engine spills instead of crashing.
-class PinnedSource : public ChunkSource {
- public:
-  // registered(device): a chunk was registered on a thread whose current device is `device`.
-  PinnedSource(Counters& counters, std::function<void(int)> registered)
-      : counters_(counters), registered_(std::move(registered)), pages_(/*wipe_on_fork=*/true) {}
-  void* allocate(size_t bytes, std::string* error) override {
-    void* p = pages_.allocate(bytes, error);
-    if (p == nullptr) return nullptr;
-    ++counters_.pinned_registrations;
-    cudaError_t err;
-    {
-      RelaxedCapture relaxed;
-      err = cudaHostRegister(p, bytes, cudaHostRegisterPortable);
-    }
-    if (err != cudaSuccess) {
-      (void)cudaGetLastError();
-      pages_.release(p, bytes);
-      if (error) {
-        *error = std::string("cudaHostRegister of ") + std::to_string(bytes) +
-                 " bytes failed: " + cudaGetErrorString(err);
-      }
-      return nullptr;
-    }
-    try {
-      std::lock_guard<std::mutex> lock(g_pinned_mu);
-      pinned_chunks().emplace(p, bytes);
-    } catch (const std::exception&) {               // no memory for the entry: no chunk either
-      if (unregister(p)) pages_.release(p, bytes);  // else kept mapped: see release()
-      if (error) *error = "out of memory registering a pinned chunk";
-      return nullptr;
-    }
-    // The registration made this thread's device's context: the engine's threads may use it
-    // (releasing the chunk later) where the engine has used no GPU yet.
-    int device = -1;
-    if (cudaGetDevice(&device) == cudaSuccess) {
-      registered_(device);
-    } else {
-      (void)cudaGetLastError();
-    }
-    return p;
-  }
-  void release(void* ptr, size_t bytes) noexcept override {
-    // A chunk that stays registered stays mapped (and listed for fork): memory
-    // the driver still has registered is never unmapped under it.
-    if (!unregister(ptr)) return;
-    {
-      std::lock_guard<std::mutex> lock(g_pinned_mu);
-      pinned_chunks().erase({ptr, bytes});
-    }
-    pages_.release(ptr, bytes);
-  }
-  bool pinned() const override { return true; }
-
- private:
-  // cudaHostUnregister in relaxed capture mode; on failure the chunk is counted
-  // (chunks_kept_registered), one warning is printed, and false returned.
-  bool unregister(void* ptr) noexcept {
-    cudaError_t err;
-    {
-      RelaxedCapture relaxed;
-      err = cudaHostUnregister(ptr);
-    }
-    if (err == cudaSuccess) return true;
-    (void)cudaGetLastError();
-    ++counters_.chunks_kept_registered;
-    static std::atomic<bool> warned{false};
-    if (!warned.exchange(true)) {
-      std::fprintf(stderr,
-                   "offcache: cudaHostUnregister failed (%s); the pinned chunk is kept mapped "
-                   "instead of being returned to the OS (stats()[\"chunks_kept_registered\"] "
-                   "counts them; this warning is printed once)\n",
-                   cudaGetErrorString(err));
-    }
-    return false;
-  }
-
-  Counters& counters_;
-  std::function<void(int)> registered_;
-  PageSource pages_;
-};
-
 // Backend::enter_call() on CUDA: the calling thread's capture mode relaxed for one engine call.
 struct RelaxedCall final : Backend::CallScope {
   c10::cuda::CUDAStreamCaptureModeGuard relaxed{cudaStreamCaptureModeRelaxed};
@@ -432,10 +265,9 @@ class CudaBackend : public Backend {
   explicit CudaBackend(int64_t host_copy_delay_us)
       : host_d2h_(counters, host_copy_delay_us, [this] { prepare_thread(); }),
         host_h2d_(counters, host_copy_delay_us, [this] { prepare_thread(); }),
-        pinned_(counters, [this](int device) { note_device(device); }),
+        pinned_(counters, [this] { return claim_device(); }),
         owner_pid_(getpid()),
-        generation_(g_fork_generation.load()) {
-    (void)g_fork_handlers;
+        generation_(fork_generation()) {
     const int n = c10::cuda::device_count();
     for (int d = 0; d < n; ++d) pools_.push_back(std::make_shared<EventPool>(d, shared_counters));
     streams_.resize(n);
@@ -455,7 +287,7 @@ class CudaBackend : public Backend {
   }
 
   const c10::Allocator* pinned_host_allocator() const override { return pinned_allocator_; }
-  bool in_owner_process() const override { return g_fork_generation.load() == generation_; }
+  bool in_owner_process() const override { return fork_generation() == generation_; }
   void check_process() const override {
     // The pid as a string: the message then needs no integer formatting (std::ostream).
     TORCH_CHECK(in_owner_process(), "offcache: the CUDA engine was created in process ",
@@ -518,6 +350,8 @@ class CudaBackend : public Backend {
     event->record(c10::cuda::getCurrentCUDAStream(device.index()).stream());
     return event;
   }
+
+  int claim_device() const override { return registration_device(); }
 
   void prepare_thread() override {
     // Keyed by backend and device: the device is known only once the engine used
@@ -587,6 +421,19 @@ class CudaBackend : public Backend {
     int none = -1;
     home_.compare_exchange_strong(none, device, std::memory_order_acq_rel);
   }
+  // The device a pinned registration selects: the engine's, else (it has used no GPU yet) the
+  // calling thread's current one, claimed; -1 if even that cannot be asked. Never throws.
+  int registration_device() const noexcept {
+    const int home = home_.load(std::memory_order_acquire);
+    if (home >= 0) return home;
+    int current = -1;
+    if (cudaGetDevice(&current) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return -1;
+    }
+    note_device(current);
+    return home_.load(std::memory_order_acquire);
+  }
 
   mutable std::atomic<int> home_{-1};
   HostCopyStream host_d2h_;  // CPU-to-CPU traffic
@@ -594,7 +441,7 @@ class CudaBackend : public Backend {
   PinnedSource pinned_;
   CountedChunks counted_{pinned_, counters};
   pid_t owner_pid_;
-  uint64_t generation_;  // g_fork_generation when made: another value means a forked child
+  uint64_t generation_;  // fork_generation() when made: another value means a forked child
   std::mutex mu_;
   std::vector<std::shared_ptr<EventPool>> pools_;
   std::vector<std::array<std::unique_ptr<CudaCopyStream>, 2>> streams_;

@@ -301,8 +301,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         auto& engine = *use;
         engine.backend().check_process();
         const bool cuda = engine.backend().kind() == offcache::BackendKind::kCuda;
+        // The engine's GPU: the (un)registrations select it on whatever thread runs them.
+        const int device = engine.backend().claim_device();
         offcache::SharedMapping m =
-            offcache::map_shared(fd, offset, bytes, ranks, cuda, engine.pinned_budget());
+            offcache::map_shared(fd, offset, bytes, ranks, cuda, device, engine.pinned_budget());
         engine.refresh_shared_share();
         return std::make_pair(std::move(m.bytes), std::move(m.reason));
       },

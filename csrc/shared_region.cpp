@@ -46,7 +46,7 @@ bool unregister_all(SharedSpan* s) noexcept {
   if (s->cuda && s->owner_pid == getpid()) {
     for (const auto& chunk : s->chunks) {
       std::string error;
-      if (!cuda_unregister_host(chunk.first, &error)) {
+      if (!cuda_unregister_host(chunk.first, s->device, &error)) {
         ok = false;
         std::lock_guard<std::mutex> l(g_mu);
         ++g_stats.unregister_failures;
@@ -136,7 +136,7 @@ std::vector<EventPtr> SharedSpan::pending() {
   return fences;
 }
 
-SharedMapping map_shared(int fd, size_t offset, size_t bytes, size_t ranks, bool cuda,
+SharedMapping map_shared(int fd, size_t offset, size_t bytes, size_t ranks, bool cuda, int device,
                          size_t budget) {
   TORCH_CHECK_VALUE(bytes > 0, "offcache: map_shared of 0 bytes");
   TORCH_CHECK_VALUE(ranks > 0, "offcache: map_shared for ", ranks, " ranks");
@@ -152,6 +152,7 @@ SharedMapping map_shared(int fd, size_t offset, size_t bytes, size_t ranks, bool
   s->base = static_cast<char*>(p);
   s->bytes = bytes;
   s->cuda = cuda;
+  s->device = device;
   s->owner_pid = getpid();
   std::string reason;
   const size_t share = (bytes + ranks - 1) / ranks;
@@ -177,7 +178,7 @@ SharedMapping map_shared(int fd, size_t offset, size_t bytes, size_t ranks, bool
       const size_t n = std::min(chunk, bytes - at);
       if (injected(made, &reason)) break;
 #ifdef OFFCACHE_WITH_CUDA
-      if (cuda && !cuda_register_host(s->base + at, n, &reason)) break;
+      if (cuda && !cuda_register_host(s->base + at, n, s->device, &reason)) break;
 #endif
       s->chunks.emplace_back(s->base + at, n);
     }

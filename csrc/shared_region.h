@@ -27,6 +27,7 @@ struct SharedSpan {
   size_t share = 0;         // bytes counted against this process's pinned budget (registered)
   bool registered = false;  // every chunk registered (pinned on CUDA)
   bool cuda = false;        // registered with cudaHostRegister (else bookkeeping only)
+  int device = -1;          // the GPU selected around its (un)registrations (-1: the current one)
   int owner_pid = 0;        // a forked child unmaps without unregistering
   std::vector<std::pair<char*, size_t>> chunks;  // the registered chunks
   std::mutex mu;
@@ -49,12 +50,14 @@ struct SharedMapping {
 // mapping in chunks of at most kRegisterChunk: on CUDA (`cuda`) each chunk is a cudaHostRegister
 // (portable) made in relaxed capture mode on the calling thread, every return code checked; a
 // failure unregisters the chunks already made and leaves the mapping unregistered (pageable), with
-// the reason. On the host backend the same bookkeeping with no driver call. Ranks registering at
-// the same time register their own mappings of the same pages: nothing is shared between them.
-// `ranks` processes map the same bytes: each counts ceil(bytes / ranks) against its pinned
-// budget `budget` (the node's region counts once per node); a mapping whose share would take the
-// process's shares past `budget` is not registered (the reason says so).
-SharedMapping map_shared(int fd, size_t offset, size_t bytes, size_t ranks, bool cuda,
+// the reason. The registrations, and the unregistrations when it dies (on whatever thread drops
+// it), run on GPU `device` (the engine's: Backend::claim_device), so that no thread makes a
+// context on another GPU. On the host backend the same bookkeeping with no driver call. Ranks
+// registering at the same time register their own mappings of the same pages: nothing is shared
+// between them. `ranks` processes map the same bytes: each counts ceil(bytes / ranks) against its
+// pinned budget `budget` (the node's region counts once per node); a mapping whose share would take
+// the process's shares past `budget` is not registered (the reason says so).
+SharedMapping map_shared(int fd, size_t offset, size_t bytes, size_t ranks, bool cuda, int device,
                          size_t budget);
 
 // The span a CPU tensor's storage is a mapping of (map_shared), or nullptr.
@@ -90,10 +93,11 @@ void fail_register(int after, const std::string& reason);
 void set_register_chunk(size_t chunk);
 
 #ifdef OFFCACHE_WITH_CUDA
-// backend_cuda.cpp: cudaHostRegister / cudaHostUnregister in relaxed capture mode; false and
-// `error` (the call and the driver's reason) on failure, the error cleared.
-bool cuda_register_host(void* ptr, size_t bytes, std::string* error);
-bool cuda_unregister_host(void* ptr, std::string* error) noexcept;
+// cuda_pinned.cpp: cudaHostRegister / cudaHostUnregister on `device` (-1: the current one) in
+// relaxed capture mode; false and `error` (the call and the driver's reason) on failure, the
+// error cleared.
+bool cuda_register_host(void* ptr, size_t bytes, int device, std::string* error);
+bool cuda_unregister_host(void* ptr, int device, std::string* error) noexcept;
 #endif
 
 }  // namespace offcache
