@@ -184,14 +184,55 @@ class CudaHandoff final : public Handoff {
   std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> storages_;
 };
 
+// Copy streams outlive their engine. A fetch allocates its outputs on a copy stream, and an
+// output may be freed after configure() retired (and deleted) that engine: the allocator frees on
+// the stream that allocated (cudaMallocAsync: cudaFreeAsync on it, which a destroyed stream makes
+// an error; the native allocator keys its cached blocks by it). So a copy stream is never
+// destroyed, as torch's own pool streams are not: a deleted engine's go back here, idle (it was
+// synchronised), and the next engine's are taken from here first. They never outnumber the copy
+// streams of the engines alive at once.
+class StreamRack {
+ public:
+  // A high-priority non-blocking stream on `device` (the current one), reused if one is free.
+  cudaStream_t take(c10::DeviceIndex device) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (device < static_cast<c10::DeviceIndex>(free_.size()) && !free_[device].empty()) {
+        cudaStream_t s = free_[device].back();
+        free_[device].pop_back();
+        return s;
+      }
+    }
+    int least = 0, greatest = 0;
+    OFFCACHE_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    cudaStream_t s = nullptr;
+    OFFCACHE_CUDA_CHECK(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, greatest));
+    return s;
+  }
+  void give_back(c10::DeviceIndex device, cudaStream_t s) noexcept {
+    try {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (device >= static_cast<c10::DeviceIndex>(free_.size())) free_.resize(device + 1);
+      free_[device].push_back(s);
+    } catch (...) {  // NOLINT(bugprone-empty-catch): no memory to list it: it stays, unlisted
+    }
+  }
+  static StreamRack& get() {
+    static auto* rack = new StreamRack();  // never destroyed: nor are its streams
+    return *rack;
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::vector<cudaStream_t>> free_;  // per device
+};
+
 class CudaCopyStream final : public CopyStream {
  public:
   CudaCopyStream(c10::DeviceIndex device, std::shared_ptr<EventPool> pool, Counters& counters)
       : device_(device), pool_(std::move(pool)), counters_(counters) {
     c10::cuda::CUDAGuard guard(device_);
-    int least = 0, greatest = 0;
-    OFFCACHE_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-    OFFCACHE_CUDA_CHECK(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, greatest));
+    stream_ = StreamRack::get().take(device_);
   }
   void wait(const EventPtr& event) override {
     if (event == nullptr) return;
@@ -242,10 +283,8 @@ class CudaCopyStream final : public CopyStream {
   void synchronize_noexcept() noexcept override {
     if (cudaStreamSynchronize(stream_) != cudaSuccess) (void)cudaGetLastError();
   }
-  ~CudaCopyStream() override {
-    // Only a retired engine, synchronised, is destroyed; at exit the context may be gone.
-    if (cudaStreamDestroy(stream_) != cudaSuccess) (void)cudaGetLastError();
-  }
+  // Only a retired engine, synchronised, is deleted: its stream is idle, and kept (StreamRack).
+  ~CudaCopyStream() override { StreamRack::get().give_back(device_, stream_); }
   cudaStream_t get() const { return stream_; }
 
  private:
