@@ -119,8 +119,9 @@ class Backend {
   virtual ChunkSource& chunks() = 0;
   virtual const ChunkSource& chunks() const = 0;
   // `device` with its index filled in ("cuda" -> the current CUDA device);
-  // raises a clear error if this backend cannot serve it.
-  virtual c10::Device resolve_device(c10::Device device) const = 0;
+  // raises a clear error if this backend cannot serve it. waits_only: the call only orders the
+  // device's current stream after a copy (a fetch's consumer), queuing nothing else on it.
+  virtual c10::Device resolve_device(c10::Device device, bool waits_only = false) const = 0;
   // The GPU whose context the engine's own CUDA calls on callers' threads select (pinned
   // registrations): the first one the engine used, else the calling thread's current one, now
   // claimed; -1 without one (the host backend). Never throws.

@@ -23,6 +23,32 @@
 namespace offcache {
 namespace {
 
+// Whether work queued on `stream` would join a graph capture.
+enum class Capture {
+  kNone,
+  kActive,     // `stream` itself is capturing
+  kElsewhere,  // the legacy default stream while a blocking stream of its device captures
+};
+
+// cudaStreamIsCapturing, checked. On the legacy default stream while a blocking stream of the
+// same device captures it answers cudaErrorStreamCaptureImplicit (not sticky): the legacy stream
+// does not capture, but any work queued on it would join that capture, and is refused (and
+// invalidates it).
+Capture capture_of(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const cudaError_t err = cudaStreamIsCapturing(stream, &status);
+  if (err == cudaErrorStreamCaptureImplicit) {
+    (void)cudaGetLastError();
+    return Capture::kElsewhere;
+  }
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    TORCH_CHECK(false, "offcache: CUDA call cudaStreamIsCapturing failed: ", cudaGetErrorName(err),
+                ": ", cudaGetErrorString(err));
+  }
+  return status == cudaStreamCaptureStatusNone ? Capture::kNone : Capture::kActive;
+}
+
 // Untimed events are reused: creating one is a driver call, and every store
 // and fetch records a few. Timed events (tracing, timing) are made fresh.
 class EventPool {
@@ -115,9 +141,24 @@ class CudaEvent final : public Event {
     if (device < 0) return wait();
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    OFFCACHE_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-    if (capture != cudaStreamCaptureStatusNone) {
+    const Capture capture = capture_of(stream);
+    if (capture == Capture::kElsewhere) {
+      // The legacy default stream while another thread captures on a blocking stream: a wait
+      // queued on it would join that capture (refused, and the capture invalidated). The host
+      // waits instead (a relaxed query and synchronize of a copy-stream event are allowed):
+      // the stream's later work then finds the copy complete.
+      bool done = false;
+      try {
+        done = query();
+      } catch (const EventUnknown&) {  // NOLINT(bugprone-empty-catch): waited for below
+      }
+      if (!done) {
+        ++counters_->syncs;
+        wait();
+      }
+      return;
+    }
+    if (capture == Capture::kActive) {
       // A captured graph cannot wait on an event recorded outside its capture (the wait
       // would invalidate it). A copy already complete needs no wait: the graph's kernels
       // read finished outputs. One still in flight is refused, saying what to do instead.
@@ -167,12 +208,11 @@ class CudaHandoff final : public Handoff {
     const c10::cuda::CUDAStream now =
         c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device));
     if (now == handed_) return;  // recorded at the fetch already
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    OFFCACHE_CUDA_CHECK(cudaStreamIsCapturing(now.stream(), &capture));
     // A wait in a capture queued nothing (the copies had completed: CudaEvent::wait_current), so
     // there is no later use on `now` to keep the outputs for; recording the capture stream would
-    // only put memory from outside the capture into the allocator's capture bookkeeping.
-    if (capture != cudaStreamCaptureStatusNone) return;
+    // only put memory from outside the capture into the allocator's capture bookkeeping. The
+    // legacy stream beside a capture elsewhere (the host waited) does use them later: recorded.
+    if (capture_of(now.stream()) == Capture::kActive) return;
     for (const auto& weak : storages_) {
       if (c10::intrusive_ptr<c10::StorageImpl> s = weak.lock())
         c10::cuda::CUDACachingAllocator::recordStream(s->data_ptr(), now);
@@ -335,7 +375,7 @@ class CudaBackend : public Backend {
                 "OFFCACHE_BACKEND=host in the child");
   }
 
-  c10::Device resolve_device(c10::Device device) const override {
+  c10::Device resolve_device(c10::Device device, bool waits_only = false) const override {
     check_process();
     TORCH_CHECK(device.is_cpu() || device.is_cuda(), "offcache: unsupported device ", device);
     if (device.is_cuda() && !device.has_index()) {
@@ -346,11 +386,18 @@ class CudaBackend : public Backend {
     if (device.is_cuda()) {
       note_device(device.index());
       c10::cuda::CUDAGuard guard(device.index());
-      TORCH_CHECK(
-          c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None,
-          "offcache: cannot copy while ", device,
-          "'s current stream is capturing a CUDA graph: the engine's copies and "
-          "host bookkeeping cannot be replayed");
+      const Capture capture = capture_of(c10::cuda::getCurrentCUDAStream(device.index()).stream());
+      TORCH_CHECK(capture != Capture::kActive, "offcache: cannot copy while ", device,
+                  "'s current stream is capturing a CUDA graph: the engine's copies and "
+                  "host bookkeeping cannot be replayed");
+      // The legacy default stream beside a capture on a blocking stream: a consumer that only
+      // waits is served (the host waits: CudaEvent::wait_current); a producer's work queued on
+      // that stream would join the capture.
+      TORCH_CHECK(waits_only || capture != Capture::kElsewhere, "offcache: cannot copy from ",
+                  device, "'s legacy default stream while a blocking stream of ", device,
+                  " captures a CUDA graph: work queued on the legacy stream would join the "
+                  "capture. Produce on a stream of its own (torch.cuda.stream(...)), or copy "
+                  "before or after the capture");
     }
     return device;
   }

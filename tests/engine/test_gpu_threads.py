@@ -366,3 +366,53 @@ def test_chunks_pinned_and_released_beside_a_capture_leave_it_valid(engine_confi
     assert s["chunks_made"] > before["chunks_made"], (before, s)
     assert s["chunks_released"] > before["chunks_released"], (before, s)
     assert s["chunks_kept_registered"] == 0
+
+
+def test_a_fetch_on_the_legacy_stream_beside_a_capture_on_a_blocking_stream_waits(engine_config):
+    # While one thread captures a graph on a blocking stream, cudaStreamIsCapturing on the legacy
+    # default stream (another thread's current stream) answers cudaErrorStreamCaptureImplicit: the
+    # fetch's capture check raised it instead of serving the fetch. Now it counts as a capture
+    # elsewhere: the host waits for the copy (no work is queued on the legacy stream, which would
+    # join the capture), and the capture stays valid (issue 40 item 6).
+    import ctypes
+    import threading
+
+    engine_config(backend="cuda")
+    x = torch.randn(1 << 20)
+    (stored,) = _engine.store([x], CPU)
+    _engine.wait_stored(stored)
+    (warm,), _ = _engine.fetch([stored], DEV)  # the outputs' memory cached in the copy stream's pool
+    del warm
+    torch.cuda.synchronize()
+    cuda = ctypes.CDLL("libcuda.so.1")
+    handle = ctypes.c_void_p()
+    assert cuda.cuStreamCreate(ctypes.byref(handle), 0) == 0  # CU_STREAM_DEFAULT: a blocking stream
+    blocking = torch.cuda.ExternalStream(handle.value, device=DEV)
+    static_in = torch.ones(1024, device=DEV)
+    results = []
+
+    def fetch_on_the_legacy_stream():
+        try:
+            assert torch.cuda.current_stream(DEV) == torch.cuda.default_stream(DEV)
+            (y,), ticket = _engine.fetch([stored], DEV, True)  # the consumer: the legacy default stream
+            results.append((ticket.query(), y))
+        except BaseException as e:  # noqa: BLE001 - reported by the capturing thread
+            results.append(e)
+
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=blocking, capture_error_mode="thread_local"):
+            static_out = static_in * 2
+            worker = threading.Thread(target=fetch_on_the_legacy_stream)
+            worker.start()
+            worker.join(60)
+        g.replay()
+        torch.cuda.synchronize()
+    finally:
+        torch.cuda.synchronize()
+        cuda.cuStreamDestroy_v2(handle)
+    assert not worker.is_alive() and len(results) == 1 and isinstance(results[0], tuple), results
+    done, y = results[0]
+    assert done  # the host waited for the copy
+    assert torch.equal(y.cpu(), x)
+    assert torch.all(static_out == 2)
