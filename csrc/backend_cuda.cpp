@@ -320,6 +320,11 @@ class CudaCopyStream final : public CopyStream {
     c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromExternal(stream_, device_));
     fn();
   }
+  void keep_for_copies(const at::Tensor& t) override {
+    if (!t.is_cuda() || !t.has_storage()) return;
+    c10::cuda::CUDACachingAllocator::recordStream(
+        t.storage().data_ptr(), c10::cuda::getStreamFromExternal(stream_, device_));
+  }
   void synchronize_noexcept() noexcept override {
     if (cudaStreamSynchronize(stream_) != cudaSuccess) (void)cudaGetLastError();
   }
@@ -491,6 +496,48 @@ class CudaBackend : public Backend {
     return !consumer.is_cuda() || c10::cuda::CUDACachingAllocator::name() == "native";
   }
 
+  bool outputs_fit_copy_stream(c10::Device consumer, size_t bytes) const override {
+    // Only the native allocator keys its cached blocks by stream and frees them all, with a device
+    // synchronisation, when an allocation would pass its limit (cudaMallocAsync trims its pool
+    // instead). A fraction of 1: the limit is the device's memory, unguarded here.
+    if (!consumer.is_cuda() || c10::cuda::CUDACachingAllocator::name() != "native") return true;
+    const c10::DeviceIndex d = consumer.index();
+    const double fraction = c10::cuda::CUDACachingAllocator::getMemoryFraction(d);
+    if (!(fraction > 0.0 && fraction < 1.0)) return true;
+    namespace alloc = c10::CachingDeviceAllocator;
+    const alloc::DeviceStats stats = c10::cuda::CUDACachingAllocator::getDeviceStats(d);
+    const auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+    const auto reserved = static_cast<size_t>(stats.reserved_bytes[all].current);
+    const auto allocated = static_cast<size_t>(stats.allocated_bytes[all].current);
+    const auto limit = static_cast<size_t>(fraction * static_cast<double>(total_memory(d)));
+    const size_t need = (bytes + (size_t{2} << 20) - 1) / (size_t{2} << 20) * (size_t{2} << 20);
+    // New memory fits under the limit: a cudaMalloc, no retry. Else the copy stream's pool may
+    // lack a block and the retry would follow; cached memory elsewhere (most of it the consumer's)
+    // serves the outputs from the consumer's pool. With none cached, both ways end the same.
+    return reserved + need <= limit || reserved - allocated < need;
+  }
+
+  // GPU `d`'s memory, asked of the runtime once.
+  size_t total_memory(c10::DeviceIndex d) const {
+    std::lock_guard<std::mutex> lock(totals_mu_);
+    if (totals_.empty()) totals_.resize(streams_.size(), 0);
+    size_t& total = totals_.at(d);
+    if (total == 0) {
+      cudaDeviceProp prop{};
+      OFFCACHE_CUDA_CHECK(cudaGetDeviceProperties(&prop, d));
+      total = prop.totalGlobalMem;
+    }
+    return total;
+  }
+
+  uint64_t alloc_retries(c10::Device device) const override {
+    if (!device.is_cuda()) return 0;
+    namespace alloc = c10::CachingDeviceAllocator;
+    const alloc::DeviceStats stats =
+        c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+    return static_cast<uint64_t>(stats.num_alloc_retries);
+  }
+
   void enable_peer_access(c10::Device from, c10::Device to) override {
     if (!from.is_cuda() || !to.is_cuda() || from == to) return;
     // Through PyTorch, which also tells its caching allocator (needed for
@@ -532,6 +579,8 @@ class CudaBackend : public Backend {
   std::vector<std::shared_ptr<EventPool>> pools_;
   std::vector<std::array<std::unique_ptr<CudaCopyStream>, 2>> streams_;
   const c10::Allocator* pinned_allocator_ = nullptr;
+  mutable std::mutex totals_mu_;
+  mutable std::vector<size_t> totals_;  // total_memory()'s, per device (0: not asked yet)
 };
 
 }  // namespace

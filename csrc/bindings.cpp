@@ -87,6 +87,8 @@ py::dict stats_dict() {
   OFFCACHE_FIELD(stores);
   OFFCACHE_FIELD(fetches);
   OFFCACHE_FIELD(output_allocations);
+  OFFCACHE_FIELD(output_alloc_retries);
+  OFFCACHE_FIELD(consumer_pool_fetches);
   OFFCACHE_FIELD(handovers);
   OFFCACHE_FIELD(d2h_bytes);
   OFFCACHE_FIELD(h2d_bytes);

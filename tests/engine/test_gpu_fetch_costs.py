@@ -46,3 +46,53 @@ def test_packed_outputs_on_the_gpu_start_64_byte_aligned():
         assert torch.equal(o.cpu(), w)
     s = offcache.stats()
     assert s["packed_span_bytes"] <= s["packed_spans"] * (256 << 10) + 16 * s["packed_output_bytes"]
+
+
+NEAR_THE_LIMIT = """
+import time, torch, offcache
+from offcache import engine as _engine
+from tests.engine.test_gpu_streams import _spin_cycles
+cpu, dev = torch.device("cpu"), torch.device("cuda:0")
+offcache.configure(backend="cuda")
+torch.cuda.set_per_process_memory_fraction((256 << 20) / torch.cuda.get_device_properties(0).total_memory, 0)
+(stored,) = _engine.store([torch.randn(4 << 20)], cpu)  # 16 MiB
+_engine.wait_stored(stored)
+cycles = _spin_cycles(0.2)
+before, stats = torch.cuda.memory_stats()["num_alloc_retries"], offcache.stats()
+slowest, rounds = 0.0, 6
+for _ in range(rounds):
+    work = torch.empty(248 << 20, dtype=torch.uint8, device=dev)  # compute's memory: the budget but 8 MiB
+    torch.cuda._sleep(cycles)  # ~0.2 s of compute queued
+    del work  # cached in the consumer stream's pool
+    t0 = time.monotonic()
+    (y,), ticket = _engine.fetch([stored], dev, False)
+    slowest = max(slowest, time.monotonic() - t0)
+    ticket.wait()
+    torch.cuda.synchronize()
+    assert torch.equal(y.cpu(), stored)
+    del y
+after = offcache.stats()
+print("retries", torch.cuda.memory_stats()["num_alloc_retries"] - before)
+print("engine_retries", after["output_alloc_retries"] - stats["output_alloc_retries"])
+print("consumer_pool", after["consumer_pool_fetches"] - stats["consumer_pool_fetches"])
+print("slowest", round(slowest, 3))
+"""
+
+
+def test_fetches_near_the_memory_limit_meet_no_allocator_retry(tmp_path):
+    # Under a per-process memory fraction, with the consumer's cached blocks filling it, a fetch's
+    # outputs allocated on the copy stream met the allocator's free-and-retry on every fetch: it
+    # frees every cached block after a device synchronisation, so each fetch waited for the
+    # consumer's queued compute (issue 40 item 7). Now they come from the consumer's pool there.
+    # In a subprocess: the memory fraction is the process's.
+    import textwrap
+
+    from tests.helpers import run_with_this_checkout
+
+    proc = run_with_this_checkout(textwrap.dedent(NEAR_THE_LIMIT), tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in proc.stdout.strip().splitlines())
+    assert lines["retries"] == "0" and lines["engine_retries"] == "0", lines
+    assert lines["consumer_pool"] == "6", lines
+    assert float(lines["slowest"]) < 0.1, lines  # no fetch waited for the ~0.2 s of queued compute
+
