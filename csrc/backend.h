@@ -193,6 +193,9 @@ class Backend {
   // The allocator of the pinned host memory torch makes for this backend (pin_memory()), if
   // any: its storages are pinned without asking the driver.
   virtual const c10::Allocator* pinned_host_allocator() const { return nullptr; }
+  // Whether CPU tensor `t`'s memory is pinned for this backend, asked of torch (a driver call on
+  // CUDA): a final answer, never the False torch gives for every pointer before its lazy init.
+  virtual bool is_pinned(const at::Tensor& t) const { return t.is_pinned(); }
   // False in a forked child of a process whose engine cannot cross fork (CUDA).
   virtual bool in_owner_process() const { return true; }
   // Raises the fork error where in_owner_process() is false.

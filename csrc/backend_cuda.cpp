@@ -371,6 +371,12 @@ class CudaBackend : public Backend {
   }
 
   const c10::Allocator* pinned_host_allocator() const override { return pinned_allocator_; }
+  bool is_pinned(const at::Tensor& t) const override {
+    // Before torch's CUDA lazy init Tensor.is_pinned() is False for every pointer (at::Context::
+    // isPinnedPtr), memory another library pinned included: initialised first (once per process).
+    at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
+    return t.is_pinned();
+  }
   bool in_owner_process() const override { return fork_generation() == generation_; }
   void check_process() const override {
     // The pid as a string: the message then needs no integer formatting (std::ostream).

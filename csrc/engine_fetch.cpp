@@ -69,6 +69,7 @@ std::vector<char> overlapping(std::vector<size_t> packable, const std::vector<So
 Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device device,
                               bool wait) {
   check_streams();
+  reap_shared();  // mappings that died while earlier copies read them, if those completed
   device = backend_->resolve_device(device, /*waits_only=*/true);  // the consumer
   const size_t n = stored.size();
   std::vector<at::Tensor> out(n);

@@ -20,7 +20,8 @@ namespace {
 
 std::mutex g_mu;  // the figures below and the dead mappings; never held while waiting
 SharedStats g_stats;
-std::vector<SharedSpan*> g_dead;  // mappings whose storage died while copies still read them
+std::vector<SharedSpan*> g_dead;      // mappings whose storage died while copies still read them
+std::atomic<size_t> g_dead_count{0};  // g_dead.size(), read without g_mu (reap_shared)
 size_t g_chunk = kRegisterChunk;
 int g_fail_after = -1;  // tests: the chunk whose registration fails next (-1: none)
 std::string g_fail_reason;
@@ -93,6 +94,7 @@ void reap() {
     done.assign(it, g_dead.end());
     g_dead.erase(it, g_dead.end());
     g_stats.deferred_unmaps = g_dead.size();
+    g_dead_count.store(g_dead.size(), std::memory_order_relaxed);
   }
   for (SharedSpan* s : done) destroy(s);
 }
@@ -105,6 +107,7 @@ void delete_span(void* ctx) {
     std::lock_guard<std::mutex> l(g_mu);
     g_dead.push_back(s);
     g_stats.deferred_unmaps = g_dead.size();
+    g_dead_count.store(g_dead.size(), std::memory_order_relaxed);
   } catch (...) {  // no memory to list it: it stays mapped (and registered) for good
   }
 }
@@ -219,10 +222,14 @@ SharedSpan* shared_span_of(const at::Tensor& t) {
   return static_cast<SharedSpan*>(data.get_context());
 }
 
+void reap_shared() {
+  if (g_dead_count.load(std::memory_order_relaxed) > 0) reap();
+}
+
 void wait_shared_reads(const at::Tensor& t) {
-  SharedSpan* s = shared_span_of(t);
-  if (s == nullptr) return;
-  for (const EventPtr& e : s->pending()) e->wait();
+  if (SharedSpan* s = shared_span_of(t)) {
+    for (const EventPtr& e : s->pending()) e->wait();
+  }
   reap();
 }
 

@@ -63,7 +63,12 @@ SharedMapping map_shared(int fd, size_t offset, size_t bytes, size_t ranks, bool
 // The span a CPU tensor's storage is a mapping of (map_shared), or nullptr.
 SharedSpan* shared_span_of(const at::Tensor& t);
 // Blocks until the copies reading `t`'s span (any engine's) completed: then it may be written.
+// Then unmaps the dead mappings whose copies completed (reap_shared).
 void wait_shared_reads(const at::Tensor& t);
+// Unregisters and unmaps the mappings whose storage died while copies read them, once those
+// copies completed (a mapping that dies with none reading it goes at once). Run by the engine's
+// synchronize() and fetches (not under its lock) and by every region call; cheap when none waits.
+void reap_shared();
 // Atomically adds `delta` to the 8-byte word `word` (a CPU tensor of 8 bytes, 8-aligned) and
 // returns the new value (delta 0: a load). Sequentially consistent: the region's generations.
 uint64_t shared_word_add(const at::Tensor& word, uint64_t delta);

@@ -96,3 +96,46 @@ def test_fetches_near_the_memory_limit_meet_no_allocator_retry(tmp_path):
     assert lines["consumer_pool"] == "6", lines
     assert float(lines["slowest"]) < 0.1, lines  # no fetch waited for the ~0.2 s of queued compute
 
+
+PINNED_BEFORE_INIT = """
+import ctypes
+import numpy as np
+import torch, offcache
+from offcache import engine as _engine
+# Host memory pinned by another library (the driver API) before torch's CUDA lazy init: torch's
+# Tensor.is_pinned() says False for every pointer until then.
+cuda = ctypes.CDLL("libcuda.so.1")
+assert cuda.cuInit(0) == 0
+dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+assert cuda.cuDeviceGet(ctypes.byref(dev), 0) == 0
+assert cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0
+assert cuda.cuCtxSetCurrent(ctx) == 0
+array = np.arange(1 << 20, dtype=np.float32)
+assert cuda.cuMemHostRegister_v2(ctypes.c_void_p(array.ctypes.data), ctypes.c_size_t(array.nbytes), 1) == 0
+foreign = torch.from_numpy(array)
+print("before_init", foreign.is_pinned())
+stats = offcache.stats()  # the engine (and torch's CUDA state) is made here
+for _ in range(3):
+    (out,), _ = _engine.fetch([foreign], torch.device("cuda:0"), True)
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), foreign)
+after = offcache.stats()
+print("queries", after["pinned_queries"] - stats["pinned_queries"])
+print("syncs", after["syncs"] - stats["syncs"])
+assert cuda.cuMemHostUnregister(ctypes.c_void_p(array.ctypes.data)) == 0
+"""
+
+
+def test_a_source_pinned_before_cudas_lazy_init_is_known_pinned(tmp_path):
+    # foreign_pinned() remembers Tensor.is_pinned() per storage; asked before torch's CUDA lazy
+    # init it says False for pinned memory, and that False was remembered for good (issue 40 item
+    # 8). The engine asks only once torch's CUDA state is initialised.
+    import textwrap
+
+    from tests.helpers import run_with_this_checkout
+
+    proc = run_with_this_checkout(textwrap.dedent(PINNED_BEFORE_INIT), tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in proc.stdout.strip().splitlines())
+    assert lines["queries"] == "1", lines  # asked once, remembered
+    assert lines["syncs"] == "0", lines  # every copy from pinned memory: no host wait counted
