@@ -153,7 +153,7 @@ ENGINE = [
     "csrc/shared_region.cpp",
     "csrc/bindings.cpp",
 ]
-CUDA_SOURCES = ["csrc/backend_cuda.cpp"]
+CUDA_SOURCES = ["csrc/backend_cuda.cpp", "csrc/cuda_pinned.cpp"]
 # Headers: an edit to one rebuilds the extension (setuptools compares them with the .so's time).
 HEADERS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.h"))
 

@@ -106,6 +106,9 @@ class CopyStream {
   // Runs `fn` now with this stream as the current one: device memory that fn
   // allocates comes from this stream's pool (on the host: just runs fn).
   virtual void enter(const std::function<void()>& fn) = 0;
+  // Device memory `t` allocated on another stream (the consumer's) is written by copies queued
+  // here next: the allocator does not reuse it before they complete (on the host: nothing).
+  virtual void keep_for_copies(const at::Tensor& /*t*/) {}
   // Best effort, never throws: used while unwinding after a failed enqueue.
   virtual void synchronize_noexcept() noexcept = 0;
 };
@@ -119,8 +122,13 @@ class Backend {
   virtual ChunkSource& chunks() = 0;
   virtual const ChunkSource& chunks() const = 0;
   // `device` with its index filled in ("cuda" -> the current CUDA device);
-  // raises a clear error if this backend cannot serve it.
-  virtual c10::Device resolve_device(c10::Device device) const = 0;
+  // raises a clear error if this backend cannot serve it. waits_only: the call only orders the
+  // device's current stream after a copy (a fetch's consumer), queuing nothing else on it.
+  virtual c10::Device resolve_device(c10::Device device, bool waits_only = false) const = 0;
+  // The GPU whose context the engine's own CUDA calls on callers' threads select (pinned
+  // registrations): the first one the engine used, else the calling thread's current one, now
+  // claimed; -1 without one (the host backend). Never throws.
+  virtual int claim_device() const { return -1; }
 
   // Event on the calling thread's current stream of `device`: the producer
   // of a store, the consumer of a fetch. Already complete for the CPU.
@@ -146,6 +154,16 @@ class Backend {
   // did not allocate, so that Tensor.record_stream on such an output stays legal
   // (a no-op there: offcache.record_stream records the span).
   virtual bool packs_outputs(c10::Device /*consumer*/) const { return true; }
+  // Whether `bytes` of a fetch's outputs for `consumer` may come from its H2D copy stream's pool
+  // without the allocator's free-and-retry: past its memory limit (a per-process fraction) that
+  // frees every cached block, synchronising the device, so the fetch would wait for the queued
+  // compute. False where they might: the outputs then come from the consumer's own pool (its
+  // cached blocks, freed by its compute), and the copy waits on the GPU for its queued work.
+  virtual bool outputs_fit_copy_stream(c10::Device /*consumer*/, size_t /*bytes*/) const {
+    return true;
+  }
+  // The allocator's free-and-retry count of `device` (memory_stats' num_alloc_retries; 0: none).
+  virtual uint64_t alloc_retries(c10::Device /*device*/) const { return 0; }
   // Whether a store of CPU memory is copied by the calling thread straight into
   // its host block: for a CPU producer the snapshot already is a copy by that
   // thread, so staging it and copying again on a copy stream only adds work. The
@@ -175,6 +193,9 @@ class Backend {
   // The allocator of the pinned host memory torch makes for this backend (pin_memory()), if
   // any: its storages are pinned without asking the driver.
   virtual const c10::Allocator* pinned_host_allocator() const { return nullptr; }
+  // Whether CPU tensor `t`'s memory is pinned for this backend, asked of torch (a driver call on
+  // CUDA): a final answer, never the False torch gives for every pointer before its lazy init.
+  virtual bool is_pinned(const at::Tensor& t) const { return t.is_pinned(); }
   // False in a forked child of a process whose engine cannot cross fork (CUDA).
   virtual bool in_owner_process() const { return true; }
   // Raises the fork error where in_owner_process() is false.

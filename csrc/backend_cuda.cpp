@@ -8,23 +8,46 @@
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <pthread.h>
-#include <sys/mman.h>
 #include <unistd.h>
 
 #include <array>
 #include <atomic>
 #include <cstdio>
 #include <mutex>
-#include <set>
 #include <utility>
 
 #include "backend_host.h"
 #include "cuda_check.h"
-#include "shared_region.h"
+#include "cuda_pinned.h"
 
 namespace offcache {
 namespace {
+
+// Whether work queued on `stream` would join a graph capture.
+enum class Capture {
+  kNone,
+  kActive,     // `stream` itself is capturing
+  kElsewhere,  // the legacy default stream while a blocking stream of its device captures
+};
+
+// cudaStreamIsCapturing, checked. On the legacy default stream while a blocking stream of the
+// same device captures it answers cudaErrorStreamCaptureImplicit (not sticky): the legacy stream
+// does not capture, but any work queued on it would join that capture, and is refused (and
+// invalidates it).
+Capture capture_of(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const cudaError_t err = cudaStreamIsCapturing(stream, &status);
+  if (err == cudaErrorStreamCaptureImplicit) {
+    (void)cudaGetLastError();
+    return Capture::kElsewhere;
+  }
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    TORCH_CHECK(false, "offcache: CUDA call cudaStreamIsCapturing failed: ", cudaGetErrorName(err),
+                ": ", cudaGetErrorString(err));
+  }
+  return status == cudaStreamCaptureStatusNone ? Capture::kNone : Capture::kActive;
+}
 
 // Untimed events are reused: creating one is a driver call, and every store
 // and fetch records a few. Timed events (tracing, timing) are made fresh.
@@ -87,6 +110,9 @@ class CudaEvent final : public Event {
     ++counters_->events_recorded;
   }
   bool query() override {
+    // On the event's device: a caller's thread whose current device is another (a deleter, a
+    // Python thread on GPU 0 of a rank on cuda:1) would otherwise make a context there.
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(pool_->device()));
     // Relaxed: a query from a thread that captures a graph (or while another thread captures
     // in global mode) would otherwise invalidate that capture.
     c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
@@ -107,16 +133,32 @@ class CudaEvent final : public Event {
     return true;
   }
   void wait() override {
-    c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);  // as query()
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(pool_->device()));  // as query()
+    c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
     OFFCACHE_CUDA_CHECK(cudaEventSynchronize(event_));
   }
   void wait_current(int device) override {
     if (device < 0) return wait();
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    OFFCACHE_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-    if (capture != cudaStreamCaptureStatusNone) {
+    const Capture capture = capture_of(stream);
+    if (capture == Capture::kElsewhere) {
+      // The legacy default stream while another thread captures on a blocking stream: a wait
+      // queued on it would join that capture (refused, and the capture invalidated). The host
+      // waits instead (a relaxed query and synchronize of a copy-stream event are allowed):
+      // the stream's later work then finds the copy complete.
+      bool done = false;
+      try {
+        done = query();
+      } catch (const EventUnknown&) {  // NOLINT(bugprone-empty-catch): waited for below
+      }
+      if (!done) {
+        ++counters_->syncs;
+        wait();
+      }
+      return;
+    }
+    if (capture == Capture::kActive) {
       // A captured graph cannot wait on an event recorded outside its capture (the wait
       // would invalidate it). A copy already complete needs no wait: the graph's kernels
       // read finished outputs. One still in flight is refused, saying what to do instead.
@@ -166,12 +208,11 @@ class CudaHandoff final : public Handoff {
     const c10::cuda::CUDAStream now =
         c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device));
     if (now == handed_) return;  // recorded at the fetch already
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    OFFCACHE_CUDA_CHECK(cudaStreamIsCapturing(now.stream(), &capture));
     // A wait in a capture queued nothing (the copies had completed: CudaEvent::wait_current), so
     // there is no later use on `now` to keep the outputs for; recording the capture stream would
-    // only put memory from outside the capture into the allocator's capture bookkeeping.
-    if (capture != cudaStreamCaptureStatusNone) return;
+    // only put memory from outside the capture into the allocator's capture bookkeeping. The
+    // legacy stream beside a capture elsewhere (the host waited) does use them later: recorded.
+    if (capture_of(now.stream()) == Capture::kActive) return;
     for (const auto& weak : storages_) {
       if (c10::intrusive_ptr<c10::StorageImpl> s = weak.lock())
         c10::cuda::CUDACachingAllocator::recordStream(s->data_ptr(), now);
@@ -183,14 +224,55 @@ class CudaHandoff final : public Handoff {
   std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> storages_;
 };
 
+// Copy streams outlive their engine. A fetch allocates its outputs on a copy stream, and an
+// output may be freed after configure() retired (and deleted) that engine: the allocator frees on
+// the stream that allocated (cudaMallocAsync: cudaFreeAsync on it, which a destroyed stream makes
+// an error; the native allocator keys its cached blocks by it). So a copy stream is never
+// destroyed, as torch's own pool streams are not: a deleted engine's go back here, idle (it was
+// synchronised), and the next engine's are taken from here first. They never outnumber the copy
+// streams of the engines alive at once.
+class StreamRack {
+ public:
+  // A high-priority non-blocking stream on `device` (the current one), reused if one is free.
+  cudaStream_t take(c10::DeviceIndex device) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (device < static_cast<c10::DeviceIndex>(free_.size()) && !free_[device].empty()) {
+        cudaStream_t s = free_[device].back();
+        free_[device].pop_back();
+        return s;
+      }
+    }
+    int least = 0, greatest = 0;
+    OFFCACHE_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    cudaStream_t s = nullptr;
+    OFFCACHE_CUDA_CHECK(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, greatest));
+    return s;
+  }
+  void give_back(c10::DeviceIndex device, cudaStream_t s) noexcept {
+    try {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (device >= static_cast<c10::DeviceIndex>(free_.size())) free_.resize(device + 1);
+      free_[device].push_back(s);
+    } catch (...) {  // NOLINT(bugprone-empty-catch): no memory to list it: it stays, unlisted
+    }
+  }
+  static StreamRack& get() {
+    static auto* rack = new StreamRack();  // never destroyed: nor are its streams
+    return *rack;
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::vector<cudaStream_t>> free_;  // per device
+};
+
 class CudaCopyStream final : public CopyStream {
  public:
   CudaCopyStream(c10::DeviceIndex device, std::shared_ptr<EventPool> pool, Counters& counters)
       : device_(device), pool_(std::move(pool)), counters_(counters) {
     c10::cuda::CUDAGuard guard(device_);
-    int least = 0, greatest = 0;
-    OFFCACHE_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-    OFFCACHE_CUDA_CHECK(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, greatest));
+    stream_ = StreamRack::get().take(device_);
   }
   void wait(const EventPtr& event) override {
     if (event == nullptr) return;
@@ -238,13 +320,16 @@ class CudaCopyStream final : public CopyStream {
     c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromExternal(stream_, device_));
     fn();
   }
+  void keep_for_copies(const at::Tensor& t) override {
+    if (!t.is_cuda() || !t.has_storage()) return;
+    c10::cuda::CUDACachingAllocator::recordStream(
+        t.storage().data_ptr(), c10::cuda::getStreamFromExternal(stream_, device_));
+  }
   void synchronize_noexcept() noexcept override {
     if (cudaStreamSynchronize(stream_) != cudaSuccess) (void)cudaGetLastError();
   }
-  ~CudaCopyStream() override {
-    // Only a retired engine, synchronised, is destroyed; at exit the context may be gone.
-    if (cudaStreamDestroy(stream_) != cudaSuccess) (void)cudaGetLastError();
-  }
+  // Only a retired engine, synchronised, is deleted: its stream is idle, and kept (StreamRack).
+  ~CudaCopyStream() override { StreamRack::get().give_back(device_, stream_); }
   cudaStream_t get() const { return stream_; }
 
  private:
@@ -252,174 +337,6 @@ class CudaCopyStream final : public CopyStream {
   std::shared_ptr<EventPool> pool_;
   Counters& counters_;
   cudaStream_t stream_ = nullptr;
-};
-
-// Fork. A child cannot use the parent's CUDA context, events or registrations,
-// and its pinned pages are wiped (MADV_WIPEONFORK): reading a stored tensor
-// there would silently give zeros. So the child's copies of every pinned chunk
-// become PROT_NONE (a read faults), and every CUDA backend learns it is in a
-// child from a generation counter (no getpid() per call).
-std::mutex g_pinned_mu;
-std::set<std::pair<void*, size_t>>& pinned_chunks() {
-  static auto* chunks = new std::set<std::pair<void*, size_t>>();  // never destroyed: atfork
-  return *chunks;
-}
-std::atomic<uint64_t> g_fork_generation{0};
-
-void pinned_before_fork() { g_pinned_mu.lock(); }
-void pinned_after_fork_parent() { g_pinned_mu.unlock(); }
-void pinned_after_fork_child() {
-  for (const auto& [ptr, bytes] : pinned_chunks()) (void)mprotect(ptr, bytes, PROT_NONE);
-  g_fork_generation.fetch_add(1);
-  g_pinned_mu.unlock();
-}
-// Registered when the library loads, before any engine or host stream: its
-// prepare handler then runs last, after the streams drained and the engines'
-// locks were taken (a release holds an engine lock, then g_pinned_mu).
-const int g_fork_handlers =
-    pthread_atfork(&pinned_before_fork, &pinned_after_fork_parent, &pinned_after_fork_child);
-
-// The calling thread's capture mode relaxed for its scope, for the chunk
-// registrations: they run on callers' threads (a store or fetch, a storage
-// deleter, synchronize, empty_cache, the thread deleting a retired engine),
-// where a graph capture in global or thread-local mode (this thread's or
-// another's) would make cudaHostRegister / cudaHostUnregister fail and
-// invalidate the capture. Never throws: if the mode cannot be exchanged it is
-// left as it was.
-class RelaxedCapture {
- public:
-  RelaxedCapture() noexcept {
-    ok_ = cudaThreadExchangeStreamCaptureMode(&mode_) == cudaSuccess;
-    if (!ok_) (void)cudaGetLastError();
-  }
-  ~RelaxedCapture() {
-    if (ok_ && cudaThreadExchangeStreamCaptureMode(&mode_) != cudaSuccess) (void)cudaGetLastError();
-  }
-  RelaxedCapture(const RelaxedCapture&) = delete;
-  RelaxedCapture& operator=(const RelaxedCapture&) = delete;
-
- private:
-  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
-  bool ok_;
-};
-
-}  // namespace
-
-// offcache.weights.node's shared mappings (shared_region.h): registered on the calling thread in
-// relaxed capture mode, as the arena's chunks are, every return code checked.
-bool cuda_register_host(void* ptr, size_t bytes, std::string* error) {
-  cudaError_t err;
-  {
-    RelaxedCapture relaxed;
-    err = cudaHostRegister(ptr, bytes, cudaHostRegisterPortable);
-  }
-  if (err == cudaSuccess) return true;
-  (void)cudaGetLastError();
-  *error = std::string("cudaHostRegister of ") + std::to_string(bytes) +
-           " bytes failed: " + cudaGetErrorName(err) + ": " + cudaGetErrorString(err);
-  return false;
-}
-
-bool cuda_unregister_host(void* ptr, std::string* error) noexcept {
-  cudaError_t err;
-  {
-    RelaxedCapture relaxed;
-    err = cudaHostUnregister(ptr);
-  }
-  if (err == cudaSuccess) return true;
-  (void)cudaGetLastError();
-  try {
-    *error = std::string("cudaHostUnregister failed: ") + cudaGetErrorName(err) + ": " +
-             cudaGetErrorString(err);
-  } catch (...) {  // NOLINT(bugprone-empty-catch): no memory for the message
-  }
-  return false;
-}
-
-namespace {
-
-// Pinned chunks: page-touched anonymous memory registered with the driver,
-// much cheaper per GiB than cudaHostAlloc. Registration failure (memlock
-// limits) returns nullptr so the engine spills instead of crashing.
-class PinnedSource : public ChunkSource {
- public:
-  // registered(device): a chunk was registered on a thread whose current device is `device`.
-  PinnedSource(Counters& counters, std::function<void(int)> registered)
-      : counters_(counters), registered_(std::move(registered)), pages_(/*wipe_on_fork=*/true) {}
-  void* allocate(size_t bytes, std::string* error) override {
-    void* p = pages_.allocate(bytes, error);
-    if (p == nullptr) return nullptr;
-    ++counters_.pinned_registrations;
-    cudaError_t err;
-    {
-      RelaxedCapture relaxed;
-      err = cudaHostRegister(p, bytes, cudaHostRegisterPortable);
-    }
-    if (err != cudaSuccess) {
-      (void)cudaGetLastError();
-      pages_.release(p, bytes);
-      if (error) {
-        *error = std::string("cudaHostRegister of ") + std::to_string(bytes) +
-                 " bytes failed: " + cudaGetErrorString(err);
-      }
-      return nullptr;
-    }
-    try {
-      std::lock_guard<std::mutex> lock(g_pinned_mu);
-      pinned_chunks().emplace(p, bytes);
-    } catch (const std::exception&) {               // no memory for the entry: no chunk either
-      if (unregister(p)) pages_.release(p, bytes);  // else kept mapped: see release()
-      if (error) *error = "out of memory registering a pinned chunk";
-      return nullptr;
-    }
-    // The registration made this thread's device's context: the engine's threads may use it
-    // (releasing the chunk later) where the engine has used no GPU yet.
-    int device = -1;
-    if (cudaGetDevice(&device) == cudaSuccess) {
-      registered_(device);
-    } else {
-      (void)cudaGetLastError();
-    }
-    return p;
-  }
-  void release(void* ptr, size_t bytes) noexcept override {
-    // A chunk that stays registered stays mapped (and listed for fork): memory
-    // the driver still has registered is never unmapped under it.
-    if (!unregister(ptr)) return;
-    {
-      std::lock_guard<std::mutex> lock(g_pinned_mu);
-      pinned_chunks().erase({ptr, bytes});
-    }
-    pages_.release(ptr, bytes);
-  }
-  bool pinned() const override { return true; }
-
- private:
-  // cudaHostUnregister in relaxed capture mode; on failure the chunk is counted
-  // (chunks_kept_registered), one warning is printed, and false returned.
-  bool unregister(void* ptr) noexcept {
-    cudaError_t err;
-    {
-      RelaxedCapture relaxed;
-      err = cudaHostUnregister(ptr);
-    }
-    if (err == cudaSuccess) return true;
-    (void)cudaGetLastError();
-    ++counters_.chunks_kept_registered;
-    static std::atomic<bool> warned{false};
-    if (!warned.exchange(true)) {
-      std::fprintf(stderr,
-                   "offcache: cudaHostUnregister failed (%s); the pinned chunk is kept mapped "
-                   "instead of being returned to the OS (stats()[\"chunks_kept_registered\"] "
-                   "counts them; this warning is printed once)\n",
-                   cudaGetErrorString(err));
-    }
-    return false;
-  }
-
-  Counters& counters_;
-  std::function<void(int)> registered_;
-  PageSource pages_;
 };
 
 // Backend::enter_call() on CUDA: the calling thread's capture mode relaxed for one engine call.
@@ -432,10 +349,9 @@ class CudaBackend : public Backend {
   explicit CudaBackend(int64_t host_copy_delay_us)
       : host_d2h_(counters, host_copy_delay_us, [this] { prepare_thread(); }),
         host_h2d_(counters, host_copy_delay_us, [this] { prepare_thread(); }),
-        pinned_(counters, [this](int device) { note_device(device); }),
+        pinned_(counters, [this] { return claim_device(); }),
         owner_pid_(getpid()),
-        generation_(g_fork_generation.load()) {
-    (void)g_fork_handlers;
+        generation_(fork_generation()) {
     const int n = c10::cuda::device_count();
     for (int d = 0; d < n; ++d) pools_.push_back(std::make_shared<EventPool>(d, shared_counters));
     streams_.resize(n);
@@ -455,7 +371,13 @@ class CudaBackend : public Backend {
   }
 
   const c10::Allocator* pinned_host_allocator() const override { return pinned_allocator_; }
-  bool in_owner_process() const override { return g_fork_generation.load() == generation_; }
+  bool is_pinned(const at::Tensor& t) const override {
+    // Before torch's CUDA lazy init Tensor.is_pinned() is False for every pointer (at::Context::
+    // isPinnedPtr), memory another library pinned included: initialised first (once per process).
+    at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
+    return t.is_pinned();
+  }
+  bool in_owner_process() const override { return fork_generation() == generation_; }
   void check_process() const override {
     // The pid as a string: the message then needs no integer formatting (std::ostream).
     TORCH_CHECK(in_owner_process(), "offcache: the CUDA engine was created in process ",
@@ -464,7 +386,7 @@ class CudaBackend : public Backend {
                 "OFFCACHE_BACKEND=host in the child");
   }
 
-  c10::Device resolve_device(c10::Device device) const override {
+  c10::Device resolve_device(c10::Device device, bool waits_only = false) const override {
     check_process();
     TORCH_CHECK(device.is_cpu() || device.is_cuda(), "offcache: unsupported device ", device);
     if (device.is_cuda() && !device.has_index()) {
@@ -475,11 +397,18 @@ class CudaBackend : public Backend {
     if (device.is_cuda()) {
       note_device(device.index());
       c10::cuda::CUDAGuard guard(device.index());
-      TORCH_CHECK(
-          c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None,
-          "offcache: cannot copy while ", device,
-          "'s current stream is capturing a CUDA graph: the engine's copies and "
-          "host bookkeeping cannot be replayed");
+      const Capture capture = capture_of(c10::cuda::getCurrentCUDAStream(device.index()).stream());
+      TORCH_CHECK(capture != Capture::kActive, "offcache: cannot copy while ", device,
+                  "'s current stream is capturing a CUDA graph: the engine's copies and "
+                  "host bookkeeping cannot be replayed");
+      // The legacy default stream beside a capture on a blocking stream: a consumer that only
+      // waits is served (the host waits: CudaEvent::wait_current); a producer's work queued on
+      // that stream would join the capture.
+      TORCH_CHECK(waits_only || capture != Capture::kElsewhere, "offcache: cannot copy from ",
+                  device, "'s legacy default stream while a blocking stream of ", device,
+                  " captures a CUDA graph: work queued on the legacy stream would join the "
+                  "capture. Produce on a stream of its own (torch.cuda.stream(...)), or copy "
+                  "before or after the capture");
     }
     return device;
   }
@@ -518,6 +447,8 @@ class CudaBackend : public Backend {
     event->record(c10::cuda::getCurrentCUDAStream(device.index()).stream());
     return event;
   }
+
+  int claim_device() const override { return registration_device(); }
 
   void prepare_thread() override {
     // Keyed by backend and device: the device is known only once the engine used
@@ -571,6 +502,48 @@ class CudaBackend : public Backend {
     return !consumer.is_cuda() || c10::cuda::CUDACachingAllocator::name() == "native";
   }
 
+  bool outputs_fit_copy_stream(c10::Device consumer, size_t bytes) const override {
+    // Only the native allocator keys its cached blocks by stream and frees them all, with a device
+    // synchronisation, when an allocation would pass its limit (cudaMallocAsync trims its pool
+    // instead). A fraction of 1: the limit is the device's memory, unguarded here.
+    if (!consumer.is_cuda() || c10::cuda::CUDACachingAllocator::name() != "native") return true;
+    const c10::DeviceIndex d = consumer.index();
+    const double fraction = c10::cuda::CUDACachingAllocator::getMemoryFraction(d);
+    if (!(fraction > 0.0 && fraction < 1.0)) return true;
+    namespace alloc = c10::CachingDeviceAllocator;
+    const alloc::DeviceStats stats = c10::cuda::CUDACachingAllocator::getDeviceStats(d);
+    const auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+    const auto reserved = static_cast<size_t>(stats.reserved_bytes[all].current);
+    const auto allocated = static_cast<size_t>(stats.allocated_bytes[all].current);
+    const auto limit = static_cast<size_t>(fraction * static_cast<double>(total_memory(d)));
+    const size_t need = (bytes + (size_t{2} << 20) - 1) / (size_t{2} << 20) * (size_t{2} << 20);
+    // New memory fits under the limit: a cudaMalloc, no retry. Else the copy stream's pool may
+    // lack a block and the retry would follow; cached memory elsewhere (most of it the consumer's)
+    // serves the outputs from the consumer's pool. With none cached, both ways end the same.
+    return reserved + need <= limit || reserved - allocated < need;
+  }
+
+  // GPU `d`'s memory, asked of the runtime once.
+  size_t total_memory(c10::DeviceIndex d) const {
+    std::lock_guard<std::mutex> lock(totals_mu_);
+    if (totals_.empty()) totals_.resize(streams_.size(), 0);
+    size_t& total = totals_.at(d);
+    if (total == 0) {
+      cudaDeviceProp prop{};
+      OFFCACHE_CUDA_CHECK(cudaGetDeviceProperties(&prop, d));
+      total = prop.totalGlobalMem;
+    }
+    return total;
+  }
+
+  uint64_t alloc_retries(c10::Device device) const override {
+    if (!device.is_cuda()) return 0;
+    namespace alloc = c10::CachingDeviceAllocator;
+    const alloc::DeviceStats stats =
+        c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+    return static_cast<uint64_t>(stats.num_alloc_retries);
+  }
+
   void enable_peer_access(c10::Device from, c10::Device to) override {
     if (!from.is_cuda() || !to.is_cuda() || from == to) return;
     // Through PyTorch, which also tells its caching allocator (needed for
@@ -587,6 +560,19 @@ class CudaBackend : public Backend {
     int none = -1;
     home_.compare_exchange_strong(none, device, std::memory_order_acq_rel);
   }
+  // The device a pinned registration selects: the engine's, else (it has used no GPU yet) the
+  // calling thread's current one, claimed; -1 if even that cannot be asked. Never throws.
+  int registration_device() const noexcept {
+    const int home = home_.load(std::memory_order_acquire);
+    if (home >= 0) return home;
+    int current = -1;
+    if (cudaGetDevice(&current) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return -1;
+    }
+    note_device(current);
+    return home_.load(std::memory_order_acquire);
+  }
 
   mutable std::atomic<int> home_{-1};
   HostCopyStream host_d2h_;  // CPU-to-CPU traffic
@@ -594,11 +580,13 @@ class CudaBackend : public Backend {
   PinnedSource pinned_;
   CountedChunks counted_{pinned_, counters};
   pid_t owner_pid_;
-  uint64_t generation_;  // g_fork_generation when made: another value means a forked child
+  uint64_t generation_;  // fork_generation() when made: another value means a forked child
   std::mutex mu_;
   std::vector<std::shared_ptr<EventPool>> pools_;
   std::vector<std::array<std::unique_ptr<CudaCopyStream>, 2>> streams_;
   const c10::Allocator* pinned_allocator_ = nullptr;
+  mutable std::mutex totals_mu_;
+  mutable std::vector<size_t> totals_;  // total_memory()'s, per device (0: not asked yet)
 };
 
 }  // namespace

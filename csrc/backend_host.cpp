@@ -119,7 +119,7 @@ void HostBackend::prepare_thread() {
   ++counters.threads_prepared;
 }
 
-c10::Device HostBackend::resolve_device(c10::Device device) const {
+c10::Device HostBackend::resolve_device(c10::Device device, bool /*waits_only*/) const {
   TORCH_CHECK(device.is_cpu(), "offcache: the host backend handles CPU tensors only, got ", device,
               "; unset OFFCACHE_BACKEND=host to use the CUDA backend");
   return device;

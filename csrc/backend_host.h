@@ -42,7 +42,7 @@ class HostBackend : public Backend {
   BackendKind kind() const override { return BackendKind::kHost; }
   ChunkSource& chunks() override { return counted_; }
   const ChunkSource& chunks() const override { return counted_; }
-  c10::Device resolve_device(c10::Device device) const override;
+  c10::Device resolve_device(c10::Device device, bool waits_only = false) const override;
   EventPtr record_current(c10::Device device) override;
   void current_wait(c10::Device device, const EventPtr& event) override;
   CopyStream& copy_stream(Dir dir, c10::Device device) override;

@@ -31,7 +31,7 @@ namespace {
 enum class Choice { kAuto, kCuda, kHost };
 
 // Set by configure_global_engine() (the Python layer always configures at
-// import, with the defaults written in offcache/_engine.py).
+// import, with the defaults written in offcache/engine/config.py, DEFAULTS).
 struct Config {
   Choice backend = Choice::kAuto;
   size_t pinned_limit = 0;

@@ -87,6 +87,8 @@ py::dict stats_dict() {
   OFFCACHE_FIELD(stores);
   OFFCACHE_FIELD(fetches);
   OFFCACHE_FIELD(output_allocations);
+  OFFCACHE_FIELD(output_alloc_retries);
+  OFFCACHE_FIELD(consumer_pool_fetches);
   OFFCACHE_FIELD(handovers);
   OFFCACHE_FIELD(d2h_bytes);
   OFFCACHE_FIELD(h2d_bytes);
@@ -185,7 +187,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       [](const std::vector<at::Tensor>& stored, c10::Device device, bool wait) {
         offcache::EngineUse use;  // held for the whole call
         auto& engine = *use;
-        device = engine.backend().resolve_device(device);
+        device = engine.backend().resolve_device(device, /*waits_only=*/true);
         auto f = engine.fetch(stored, device, wait);
         return std::make_pair(std::move(f.tensors),
                               ticket_for(std::move(f.done), device, std::move(f.held), f.handoff));
@@ -199,7 +201,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
          const std::vector<at::Tensor>& likes, c10::Device device, bool wait) {
         offcache::EngineUse use;  // held for the whole call
         auto& engine = *use;
-        device = engine.backend().resolve_device(device);
+        device = engine.backend().resolve_device(device, /*waits_only=*/true);
         auto f = engine.fetch_file(path, offsets, likes, device, wait);
         return std::make_pair(std::move(f.tensors),
                               ticket_for(std::move(f.done), device, std::move(f.held), f.handoff));
@@ -219,11 +221,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         // of a D2H is read after wait_stored() (its block records the copy).
         c10::Device consumer(c10::kCPU);
         for (const auto& d : dsts) {
-          if (!d.device().is_cpu()) consumer = engine.backend().resolve_device(d.device());
+          if (!d.device().is_cpu())
+            consumer = engine.backend().resolve_device(d.device(), /*waits_only=*/true);
         }
         for (size_t i = 0; consumer.is_cpu() && i < srcs.size(); ++i) {
           if (!srcs[i].device().is_cpu())
-            consumer = engine.backend().resolve_device(srcs[i].device());
+            consumer = engine.backend().resolve_device(srcs[i].device(), /*waits_only=*/true);
         }
         return ticket_for(std::move(done), consumer);
       },
@@ -301,8 +304,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         auto& engine = *use;
         engine.backend().check_process();
         const bool cuda = engine.backend().kind() == offcache::BackendKind::kCuda;
+        // The engine's GPU: the (un)registrations select it on whatever thread runs them.
+        const int device = engine.backend().claim_device();
         offcache::SharedMapping m =
-            offcache::map_shared(fd, offset, bytes, ranks, cuda, engine.pinned_budget());
+            offcache::map_shared(fd, offset, bytes, ranks, cuda, device, engine.pinned_budget());
         engine.refresh_shared_share();
         return std::make_pair(std::move(m.bytes), std::move(m.reason));
       },

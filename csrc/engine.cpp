@@ -410,7 +410,7 @@ bool Engine::foreign_pinned(const at::Tensor& t) {
       return it->second.pinned;
   }
   ++backend_->counters.pinned_queries;
-  const bool pinned = t.is_pinned();
+  const bool pinned = backend_->is_pinned(t);  // never a False from before CUDA's lazy init
   auto l = lock();
   // Entries of dead storages go now and then: amortised O(1) per query. Weak references only:
   // no Python object is touched under the lock.

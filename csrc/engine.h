@@ -54,6 +54,10 @@ struct EngineStats {
   // packed span of smaller values, whose outputs share it), and the outputs handed to the
   // consumer's stream (on CUDA each is one recordStream on that memory): per span, not per value.
   size_t output_allocations = 0, handovers = 0;
+  // The allocator's free-and-retry (each synchronised the device: the fetch waited for queued
+  // compute) met while allocating fetch outputs, and the fetches whose outputs came from the
+  // consumer's pool to keep off it, near the allocator's limit (Backend::outputs_fit_copy_stream).
+  size_t output_alloc_retries = 0, consumer_pool_fetches = 0;
   size_t d2h_bytes = 0, h2d_bytes = 0, d2h_copies = 0, h2d_copies = 0;
   size_t snapshot_bytes = 0, snapshot_fallbacks = 0;
   size_t inline_store_copies = 0;  // CPU values copied by the storing thread

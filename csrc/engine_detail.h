@@ -159,7 +159,7 @@ inline at::Tensor output_in(const std::shared_ptr<SpanShare>& share, void* p,
       .make_tensor();
 }
 
-// The one set of rules for what can be stored, worded as offcache/tree.py's
+// The one set of rules for what can be stored, worded as offcache/activations/tree.py's
 // check_tensor words them (which adds the batch and the value).
 inline void check_storable(const at::Tensor& t) {
   TORCH_CHECK_TYPE(t.defined(), "offcache: cannot cache an undefined tensor");

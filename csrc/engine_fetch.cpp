@@ -69,7 +69,8 @@ std::vector<char> overlapping(std::vector<size_t> packable, const std::vector<So
 Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device device,
                               bool wait) {
   check_streams();
-  device = backend_->resolve_device(device);
+  reap_shared();  // mappings that died while earlier copies read them, if those completed
+  device = backend_->resolve_device(device, /*waits_only=*/true);  // the consumer
   const size_t n = stored.size();
   std::vector<at::Tensor> out(n);
   std::vector<c10::Device> resolved{device};
@@ -193,7 +194,15 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
     const auto bytes = at::TensorOptions().dtype(at::kByte).device(device);
     // Outputs and staging come from the copy stream's pool: the copy need not
     // wait for the consumer's queued work; outputs are handed to the consumer.
-    stream.enter([&] {
+    // Near the allocator's memory limit that pool's allocation could free every
+    // cached block, synchronising the device (the fetch would wait for the
+    // queued compute): the outputs then come from the consumer's pool, and the
+    // copy waits on the GPU, not the host, for the consumer's queued work.
+    size_t out_bytes = 0;
+    for (const Segment& seg : segments) out_bytes += seg.length;
+    const bool own_pool = !on_stream || backend_->outputs_fit_copy_stream(device, out_bytes);
+    const uint64_t retries_before = on_stream ? backend_->alloc_retries(device) : 0;
+    const auto allocate = [&] {
       for (auto& seg : segments) {
         if (seg.items.size() == 1) {
           const size_t i = seg.items[0];
@@ -226,7 +235,16 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
           blocks.push_back(seg.block);
         }
       }
-    });
+    };
+    if (own_pool) {
+      stream.enter(allocate);
+    } else {
+      allocate();  // the consumer's current stream's pool
+      deps.push_back(backend_->record_current(device));
+      for (const at::Tensor& a : allocations) stream.keep_for_copies(a);
+    }
+    const uint64_t retries =
+        on_stream ? backend_->alloc_retries(device) - retries_before : 0;  // each synchronised
     // Disk blocks: their span is read into a bounce buffer on the I/O thread, which then
     // issues the whole batch itself (issue_after_reads): the caller never waits for the
     // disk (a CUDA stream cannot wait for a host thread without blocking the caller).
@@ -299,6 +317,8 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
       auto l = lock();
       ++stats_.fetches;
       stats_.output_allocations += allocations.size();
+      stats_.output_alloc_retries += retries;
+      if (!own_pool) ++stats_.consumer_pool_fetches;
       if (!device.is_cpu()) stats_.handovers += allocations.size();
       for (const Block& b : bounces) deferred_.push(b, {done});
       for (HostBlock* hb : blocks) hb->add_fence(done);

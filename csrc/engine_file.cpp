@@ -79,7 +79,7 @@ Engine::Fetched Engine::fetch_file(const std::string& path, const std::vector<in
                                    const std::vector<at::Tensor>& likes, c10::Device device,
                                    bool wait) {
   check_streams();
-  device = backend_->resolve_device(device);
+  device = backend_->resolve_device(device, /*waits_only=*/true);  // the consumer
   TORCH_CHECK_VALUE(offsets.size() == likes.size(), "offcache: fetch_file got ", offsets.size(),
                     " offsets for ", likes.size(), " tensors");
   TORCH_CHECK_VALUE(path.find('\0') == std::string::npos,

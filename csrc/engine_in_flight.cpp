@@ -16,6 +16,7 @@
 
 #include "engine.h"
 #include "engine_detail.h"
+#include "shared_region.h"
 
 namespace offcache {
 
@@ -181,6 +182,9 @@ void Engine::synchronize(bool check) {
     deferred_.wait_all();
     reclaim_locked();
   }
+  // Shared mappings that died while this engine's copies (now complete) read them: unmapped
+  // now, not at the next region call (unlocked: an unregistration is a driver call).
+  reap_shared();
   if (check) check_streams();
 }
 

@@ -27,14 +27,16 @@ struct SharedSpan {
   size_t share = 0;         // bytes counted against this process's pinned budget (registered)
   bool registered = false;  // every chunk registered (pinned on CUDA)
   bool cuda = false;        // registered with cudaHostRegister (else bookkeeping only)
+  int device = -1;          // the GPU selected around its (un)registrations (-1: the current one)
   int owner_pid = 0;        // a forked child unmaps without unregistering
   std::vector<std::pair<char*, size_t>> chunks;  // the registered chunks
   std::mutex mu;
   std::vector<EventPtr> fences;  // copies that read it, not yet seen complete (under mu)
   // Adds `event` (a copy reading the span); completed fences are dropped now and then.
   void add_fence(const EventPtr& event);
-  // The fences not yet complete.
+  // The fences not seen complete (all of them when a query throws: never fewer than pending).
   std::vector<EventPtr> pending();
+  void drop_completed_locked() noexcept;  // needs mu
 };
 
 // What map_shared() made: the span's bytes as a uint8 CPU tensor (its storage owns the mapping)
@@ -48,18 +50,25 @@ struct SharedMapping {
 // mapping in chunks of at most kRegisterChunk: on CUDA (`cuda`) each chunk is a cudaHostRegister
 // (portable) made in relaxed capture mode on the calling thread, every return code checked; a
 // failure unregisters the chunks already made and leaves the mapping unregistered (pageable), with
-// the reason. On the host backend the same bookkeeping with no driver call. Ranks registering at
-// the same time register their own mappings of the same pages: nothing is shared between them.
-// `ranks` processes map the same bytes: each counts ceil(bytes / ranks) against its pinned
-// budget `budget` (the node's region counts once per node); a mapping whose share would take the
-// process's shares past `budget` is not registered (the reason says so).
-SharedMapping map_shared(int fd, size_t offset, size_t bytes, size_t ranks, bool cuda,
+// the reason. The registrations, and the unregistrations when it dies (on whatever thread drops
+// it), run on GPU `device` (the engine's: Backend::claim_device), so that no thread makes a
+// context on another GPU. On the host backend the same bookkeeping with no driver call. Ranks
+// registering at the same time register their own mappings of the same pages: nothing is shared
+// between them. `ranks` processes map the same bytes: each counts ceil(bytes / ranks) against its
+// pinned budget `budget` (the node's region counts once per node); a mapping whose share would take
+// the process's shares past `budget` is not registered (the reason says so).
+SharedMapping map_shared(int fd, size_t offset, size_t bytes, size_t ranks, bool cuda, int device,
                          size_t budget);
 
 // The span a CPU tensor's storage is a mapping of (map_shared), or nullptr.
 SharedSpan* shared_span_of(const at::Tensor& t);
 // Blocks until the copies reading `t`'s span (any engine's) completed: then it may be written.
+// Then unmaps the dead mappings whose copies completed (reap_shared).
 void wait_shared_reads(const at::Tensor& t);
+// Unregisters and unmaps the mappings whose storage died while copies read them, once those
+// copies completed (a mapping that dies with none reading it goes at once). Run by the engine's
+// synchronize() and fetches (not under its lock) and by every region call; cheap when none waits.
+void reap_shared();
 // Atomically adds `delta` to the 8-byte word `word` (a CPU tensor of 8 bytes, 8-aligned) and
 // returns the new value (delta 0: a load). Sequentially consistent: the region's generations.
 uint64_t shared_word_add(const at::Tensor& word, uint64_t delta);
@@ -89,10 +98,11 @@ void fail_register(int after, const std::string& reason);
 void set_register_chunk(size_t chunk);
 
 #ifdef OFFCACHE_WITH_CUDA
-// backend_cuda.cpp: cudaHostRegister / cudaHostUnregister in relaxed capture mode; false and
-// `error` (the call and the driver's reason) on failure, the error cleared.
-bool cuda_register_host(void* ptr, size_t bytes, std::string* error);
-bool cuda_unregister_host(void* ptr, std::string* error) noexcept;
+// cuda_pinned.cpp: cudaHostRegister / cudaHostUnregister on `device` (-1: the current one) in
+// relaxed capture mode; false and `error` (the call and the driver's reason) on failure, the
+// error cleared.
+bool cuda_register_host(void* ptr, size_t bytes, int device, std::string* error);
+bool cuda_unregister_host(void* ptr, int device, std::string* error) noexcept;
 #endif
 
 }  // namespace offcache

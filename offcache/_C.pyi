@@ -63,6 +63,8 @@ class _Stats(TypedDict):
     chunk_seconds: float
     event_queries: int
     pinned_queries: int
+    output_alloc_retries: int  # the allocator's free-and-retry met by fetch outputs (each synchronised)
+    consumer_pool_fetches: int  # fetches whose outputs came from the consumer's pool near the memory limit
     packed_spans: int
     packed_span_bytes: int
     packed_output_bytes: int

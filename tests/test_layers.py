@@ -162,3 +162,19 @@ def test_csrc_headers_include_no_circle():
 def test_no_module_is_past_600_lines(path):
     n = len(path.read_text().splitlines())
     assert n <= 620, f"{path.relative_to(ROOT)} has {n} lines: the concern it holds wants its own file"
+
+
+# A repository path in a csrc comment (offcache/..., tests/..., docs/..., csrc/...): a file moved since.
+_CSRC_PATH = re.compile(
+    r"\b((?:offcache|tests|docs|benchmarks|scripts|csrc|cpp_tests)/[\w/.-]*\w\.(?:py|pyi|md|h|cpp|sh))\b"
+)
+
+
+def test_csrc_comments_name_files_that_exist():
+    stale = []
+    for path in sorted(
+        [*(ROOT / "csrc").rglob("*.h"), *(ROOT / "csrc").rglob("*.cpp"), *(ROOT / "cpp_tests").rglob("*.cpp")]
+    ):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            stale += [f"{path.relative_to(ROOT)}:{n}: {p}" for p in _CSRC_PATH.findall(line) if not (ROOT / p).exists()]
+    assert stale == [], "csrc comments name files that do not exist (moved?):\n" + "\n".join(stale)

@@ -95,3 +95,40 @@ def test_a_ticket_of_copies_in_flight_waited_on_in_a_capture_says_what_to_do():
     torch.cuda.synchronize()
     ticket.wait()
     assert torch.equal(out, big)  # the captured add_ never ran (the graph was not replayed)
+
+
+RETIRED_STREAMS = """
+import gc, time, torch, offcache
+from offcache import engine
+print("backend", torch.cuda.get_allocator_backend())
+dev = torch.device("cuda:0")
+offcache.configure(backend="cuda")
+(stored,) = engine.store([torch.randn(1 << 20)], torch.device("cpu"))
+(out,), ticket = engine.fetch([stored], dev)  # allocated on the engine's H2D copy stream
+want = stored.clone()
+offcache.configure(backend="cuda")  # retires the engine
+del stored, ticket
+gc.collect()
+deadline = time.monotonic() + 60
+while offcache.stats()["retired_engines"] and time.monotonic() < deadline:
+    time.sleep(0.01)  # deleted on a thread of its own, its copy streams with it
+print("retired", offcache.stats()["retired_engines"])
+assert torch.equal(out.cpu(), want)
+del out  # freed on the stream that allocated it: the deleted engine's copy stream
+torch.cuda.synchronize()
+again = torch.randn(1 << 20, device=dev)  # the allocator still works
+(back,), _ = engine.fetch(engine.store([again], torch.device("cpu")), dev)
+torch.cuda.synchronize()
+print("ok", torch.equal(back, again))
+"""
+
+
+def test_an_output_freed_after_its_engine_was_deleted_frees_on_a_live_stream(tmp_path, monkeypatch):
+    # A retired engine destroyed its copy streams while the outputs a fetch allocated on them lived
+    # on: under cudaMallocAsync their free is a cudaFreeAsync on the destroyed stream (issue 40
+    # item 5). Copy streams now outlive their engine (kept for the next one).
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")
+    proc = run_with_this_checkout(textwrap.dedent(RETIRED_STREAMS), tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in proc.stdout.strip().splitlines())
+    assert lines == {"backend": "cudaMallocAsync", "retired": "0", "ok": "True"}, proc.stdout + proc.stderr[-3000:]

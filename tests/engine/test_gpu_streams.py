@@ -244,6 +244,10 @@ def test_fetch_buffers_do_not_wait_for_the_consumers_queued_work():
 
     (stored,) = _engine.store([torch.randn(1 << 20, device=DEV)], CPU)
     offcache.synchronize()
+    # Blocks cached by earlier tests near a per-process memory limit would send the outputs to the
+    # consumer's pool (the copy then follows its queued work): this test measures the copy stream's.
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     cycles = _spin_cycles(1.0)
     t0 = time.monotonic()
     torch.cuda._sleep(cycles)  # ~1 s of work queued on the consumer stream, no allocation

@@ -208,10 +208,50 @@ while offcache.stats()["retired_engines"]:  # deleted on a thread of its own
     time.sleep(0.01)
 print("OK", ok)
 print("AFTER", active(0))
+
+# A caller's thread whose current device is GPU 0 (a Python thread never selects one): the pinned
+# chunk it makes the engine register, and unregister, the shared mapping it maps and drops, and
+# the events it queries and waits for all run on the engine's GPU (issue 40 item 4).
+import threading
+_engine.store([small], CPU)  # the new engine's first GPU: cuda:1
+side = []
+
+def caller_on_gpu_0():
+    try:
+        assert torch.cuda.current_device() == 0
+        big = torch.randn(8 << 20)  # 32 MiB: a new pinned chunk, cudaHostRegister on this thread
+        (s,) = _engine.store([big], CPU)
+        _engine.wait_stored(s)
+        (c,), ticket = _engine.fetch([s], CPU, False)
+        ticket.wait()
+        good = torch.equal(c, big)
+        (g,), ticket = _engine.fetch([s], DEV, False)  # a CUDA event, queried and waited for here
+        offcache.stats()
+        ticket.wait()
+        del s, c, g
+        offcache.synchronize()
+        offcache.empty_cache()  # cudaHostUnregister on this thread
+        fd = os.memfd_create("offcache-primary-context")
+        os.ftruncate(fd, 1 << 21)
+        region, reason = _engine.map_shared(fd, 0, 1 << 21, 1)  # cudaHostRegister on this thread
+        del region  # cudaHostUnregister on this thread
+        os.close(fd)
+        side.append(good and reason == "")
+    except BaseException as e:
+        side.append(repr(e))
+
+t = threading.Thread(target=caller_on_gpu_0)
+t.start()
+t.join(120)
+torch.cuda.synchronize()
+print("SIDE", side[0] if side else "hung")
+print("SIDE_AFTER", active(0))
 """
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs two GPUs: a context on GPU 0 shows only beside a rank's own GPU"
+)
 def test_engine_threads_make_no_context_on_gpu_0_for_a_rank_on_gpu_1(tmp_path):
     # Every engine thread (host copy-stream workers, the disk tier's and fetch_file's I/O
     # threads, the thread deleting a retired engine) selects the engine's device before its
@@ -230,6 +270,10 @@ def test_engine_threads_make_no_context_on_gpu_0_for_a_rank_on_gpu_1(tmp_path):
         pytest.skip("torch itself made a context on GPU 0 in this setup")
     assert lines["OK"] == "True", proc.stdout
     assert lines["AFTER"] == "False", "an engine thread made a primary context on GPU 0"
+    assert lines["SIDE"] == "True", proc.stdout
+    assert lines["SIDE_AFTER"] == "False", (
+        "a pinned registration or event call on a caller's thread made a context on GPU 0"
+    )
 
 
 def test_a_disk_store_in_flight_does_not_invalidate_a_graph_capture(engine_config, tmp_path):
@@ -322,3 +366,53 @@ def test_chunks_pinned_and_released_beside_a_capture_leave_it_valid(engine_confi
     assert s["chunks_made"] > before["chunks_made"], (before, s)
     assert s["chunks_released"] > before["chunks_released"], (before, s)
     assert s["chunks_kept_registered"] == 0
+
+
+def test_a_fetch_on_the_legacy_stream_beside_a_capture_on_a_blocking_stream_waits(engine_config):
+    # While one thread captures a graph on a blocking stream, cudaStreamIsCapturing on the legacy
+    # default stream (another thread's current stream) answers cudaErrorStreamCaptureImplicit: the
+    # fetch's capture check raised it instead of serving the fetch. Now it counts as a capture
+    # elsewhere: the host waits for the copy (no work is queued on the legacy stream, which would
+    # join the capture), and the capture stays valid (issue 40 item 6).
+    import ctypes
+    import threading
+
+    engine_config(backend="cuda")
+    x = torch.randn(1 << 20)
+    (stored,) = _engine.store([x], CPU)
+    _engine.wait_stored(stored)
+    (warm,), _ = _engine.fetch([stored], DEV)  # the outputs' memory cached in the copy stream's pool
+    del warm
+    torch.cuda.synchronize()
+    cuda = ctypes.CDLL("libcuda.so.1")
+    handle = ctypes.c_void_p()
+    assert cuda.cuStreamCreate(ctypes.byref(handle), 0) == 0  # CU_STREAM_DEFAULT: a blocking stream
+    blocking = torch.cuda.ExternalStream(handle.value, device=DEV)
+    static_in = torch.ones(1024, device=DEV)
+    results = []
+
+    def fetch_on_the_legacy_stream():
+        try:
+            assert torch.cuda.current_stream(DEV) == torch.cuda.default_stream(DEV)
+            (y,), ticket = _engine.fetch([stored], DEV, True)  # the consumer: the legacy default stream
+            results.append((ticket.query(), y))
+        except BaseException as e:  # noqa: BLE001 - reported by the capturing thread
+            results.append(e)
+
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=blocking, capture_error_mode="thread_local"):
+            static_out = static_in * 2
+            worker = threading.Thread(target=fetch_on_the_legacy_stream)
+            worker.start()
+            worker.join(60)
+        g.replay()
+        torch.cuda.synchronize()
+    finally:
+        torch.cuda.synchronize()
+        cuda.cuStreamDestroy_v2(handle)
+    assert not worker.is_alive() and len(results) == 1 and isinstance(results[0], tuple), results
+    done, y = results[0]
+    assert done  # the host waited for the copy
+    assert torch.equal(y.cpu(), x)
+    assert torch.all(static_out == 2)
