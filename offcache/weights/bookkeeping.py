@@ -82,6 +82,16 @@ def subgraph_stats() -> list[dict]:
     return [vars(s).copy() for s in _state.history]
 
 
+def _host_wait(ticket) -> None:
+    """Block the host until `ticket`'s copies landed, counted as a host wait."""
+    t0 = time.perf_counter()
+    _engine.wait_on_host(ticket)
+    COUNTERS["weight_host_waits"] += 1
+    COUNTERS["weight_host_wait_seconds"] += time.perf_counter() - t0
+    if _state.current is not None:
+        _state.current.host_waits += 1
+
+
 def _wait(ticket, device: torch.device) -> None:
     """Make the consumer wait for a fetch; only a CPU consumer (host backend) blocks the host.
 
@@ -133,6 +143,10 @@ def _take_prefetched(offloaded: Tensor, device: torch.device) -> Tensor | None:
         return None
     if entry.offloaded is not offloaded or entry.device != device or entry.version != offloaded._version:
         return None  # stale (edited in place since) or for another device: fetch afresh
+    if entry.tag is not None and not entry.ticket.query():
+        # Another process may write the source: its generation says whether the copy read one value only
+        # once the copy has landed, so a GPU consumer waits on the host here, not only on its stream.
+        _host_wait(entry.ticket)
     _wait(entry.ticket, device)
     if not entry.cache._fresh(offloaded, entry.tag):
         COUNTERS["weight_prefetch_stale"] += 1
