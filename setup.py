@@ -234,7 +234,9 @@ class Build(BuildExtension):  # ninja by default (with_options passes kwargs old
                 "engine_bytes": engine.stat().st_size,
             }
             (engine.parent / "_C_build.json").write_text(json.dumps(record, indent=1) + "\n")
-            check_engine(engine)
+            # The libstdc++ the check passed beside: an import beside the same one needs no second check.
+            record["format_checked_with"] = check_engine(engine)
+            (engine.parent / "_C_build.json").write_text(json.dumps(record, indent=1) + "\n")
 
     def copy_extensions_to_source(self):
         """An in-place build (setuptools builds into build/, then copies the engine beside the
@@ -254,14 +256,18 @@ spec = importlib.util.spec_from_file_location("offcache._C", sys.argv[1])
 engine = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(engine)
 print(engine._format_check(2147483648))
+import os  # the libstdc++ it ran beside, as offcache.engine.loader.loaded_libstdcxx() writes it
+paths = sorted({line.split()[-1] for line in open("/proc/self/maps") if "libstdc++" in line and "/" in line})
+print("\t".join(f"{os.path.realpath(p)}:{os.stat(p).st_size}:{os.stat(p).st_mtime_ns}" for p in paths))
 """
 
 
-def check_engine(engine: Path) -> None:
+def check_engine(engine: Path) -> list[str]:
     """Loads the engine just built, beside torch, and has it format a number as its messages do.
     A build whose numbers come out wrong (pieces of libstdc++ linked into it), or that does not load
     here at all, is removed and the build fails with the reason, instead of crashing its first error
-    message or failing at import. offcache/engine/loader.py checks the same at every import."""
+    message or failing at import. Returns the libstdc++ it passed beside (offcache.engine.loader's
+    loaded_libstdcxx()); offcache/engine/loader.py checks the same at import beside any other one."""
     want = "[2147483648, 0.5]"
     try:
         done = subprocess.run(
@@ -270,9 +276,10 @@ def check_engine(engine: Path) -> None:
     except subprocess.SubprocessError as e:
         engine.unlink(missing_ok=True)
         raise RuntimeError(f"offcache: the engine just built could not be checked beside torch ({e}); removed") from e
-    got, why = done.stdout.strip(), done.stderr.strip()[-800:] or f"exit status {done.returncode}"
-    if got == want:
-        return
+    lines = done.stdout.strip().split("\n")
+    got, why = lines[0].strip(), done.stderr.strip()[-800:] or f"exit status {done.returncode}"
+    if got == want and done.returncode == 0:
+        return [x for x in lines[1].split("\t") if x] if len(lines) > 1 else []
     if not got and done.returncode > 0:  # it did not load here (an ImportError): the build is no good
         engine.unlink(missing_ok=True)
         raise RuntimeError(

@@ -268,26 +268,29 @@ except ImportError as e:
     assert done.stdout.startswith("kept" if printed == "[2147483648, 0.5]" else "refused:"), (printed, done.stdout)
 
 
-def test_a_passed_import_check_is_remembered_per_engine_file_and_a_failed_one_never(tmp_path, monkeypatch):
-    """The fork runs at the first import of an engine on a machine, not at every import; an engine rebuilt in
-    place (another file) is checked again, and a wrong one is refused every time."""
+def test_an_engine_checked_at_its_build_beside_this_libstdcxx_forks_no_child_at_import(tmp_path, monkeypatch):
+    """setup.py records the libstdc++ its check passed beside; an import beside the same one skips the fork,
+    an import beside another (a wheel built elsewhere) runs it, and a wrong engine is refused either way."""
     if shutil.which("g++") is None:
         pytest.skip("needs g++")
+    import json
+
+    import offcache
     from offcache.engine import loader
 
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    here = loader.loaded_libstdcxx()
+    assert here and all("libstdc++" in x for x in here)
+    record = json.loads((Path(offcache.__file__).parent / loader.BUILD_RECORD).read_text())
+    assert record["format_checked_with"] == here, "the build's check and the import name libstdc++ alike"
     forks = []
     real = loader._format_in_child
     monkeypatch.setattr(loader, "_format_in_child", lambda engine: forks.append(engine) or real(engine))
     good = _load(_compile(tmp_path, "good"))
-    loader.check_number_formatting(good, "good")
-    loader.check_number_formatting(good, "good")
-    assert len(forks) == 1 and len(list((tmp_path / "cache" / "offcache" / "format-checks").iterdir())) == 1
-    os.utime(good.__file__, ns=(1, 1))  # rebuilt in place: not the engine that passed
-    loader.check_number_formatting(good, "good")
+    loader.check_number_formatting(good, "good", here)
+    assert forks == []
+    loader.check_number_formatting(good, "good", ["/elsewhere/libstdc++.so.6:1:1"])
+    loader.check_number_formatting(good, "good", None)
     assert len(forks) == 2
     bad = _load(_compile(tmp_path, "bad", "-DOFFCACHE_TEST_WRONG_NUMBERS"))
-    for _ in range(2):
-        with pytest.raises(ImportError, match="formats 2147483648"):
-            loader.check_number_formatting(bad, "bad")
-    assert len(forks) == 4
+    with pytest.raises(ImportError, match="formats 2147483648"):
+        loader.check_number_formatting(bad, "bad", ["/elsewhere/libstdc++.so.6:1:1"])

@@ -104,7 +104,7 @@ def test_readme_lists_every_extra():
 
 def variables_in_code() -> set[str]:
     """Every OFFCACHE_ variable the Python code and setup.py read from the environment."""
-    read = re.compile(r"""(?:environ(?:\.get\(|\[)|env_switch\()\s*["'](OFFCACHE_[A-Z_]+)["']""")
+    read = re.compile(r"""(?:environ(?:\.get\(|\[)|env_switch\(|env_choice\()\s*["'](OFFCACHE_[A-Z_]+)["']""")
     found = set(_engine._ENV.values())
     for path in [*(ROOT / "offcache").rglob("*.py"), ROOT / "setup.py"]:
         found |= set(read.findall(path.read_text()))

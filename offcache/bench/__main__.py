@@ -103,12 +103,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _check_workload_settings() -> None:
     """The settings that cut a section's workload (the device check's), checked before any section runs."""
-    from offcache.bench.kv import CASES
     from offcache.bench.oneshot import repeats_for
     from offcache.bench.weights_ranks import IMPLS
 
     env_switch("OFFCACHE_BENCH_WEIGHTS_DISK")
-    env_choice("OFFCACHE_BENCH_KV_CASES", CASES)
+    if not missing_module("transformers"):  # without it the kv section is skipped, and its module needs it
+        from offcache.bench.kv import CASES
+
+        env_choice("OFFCACHE_BENCH_KV_CASES", CASES)
     env_choice("OFFCACHE_BENCH_RANKS_IMPLS", IMPLS)
     repeats_for(None)
 

@@ -100,50 +100,18 @@ def _format_in_child(engine) -> tuple[str | None, str]:
     return got.decode(errors="replace"), ""
 
 
-def _verdict_key(engine) -> str:
-    """What a passed check holds for: this engine file (path, inode, size, mtime) and the libstdc++ this process
-    loaded (the same, from /proc/self/maps); '' when either cannot be named (then the check runs every time)."""
-    import hashlib
-
-    path = getattr(engine, "__file__", None)
+def loaded_libstdcxx() -> list[str]:
+    """The libstdc++ this process has loaded, as 'path:size:mtime' (from /proc/self/maps; [] where unknown):
+    what a number-formatting check that passed holds for."""
     try:
         with open("/proc/self/maps") as maps:
-            libs = sorted({line.split()[-1] for line in maps if "libstdc++" in line and "/" in line})
-        parts = []
-        for f in (path, *libs):
-            st = os.stat(f)
-            parts.append(f"{os.path.realpath(f)}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}")
-    except (OSError, TypeError):
-        return ""
-    if not libs:
-        return ""
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
-
-
-def _verdict_dir() -> str:
-    xdg = (os.environ.get("XDG_CACHE_HOME") or "").strip()
-    base = xdg if os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "offcache", "format-checks")
-
-
-def _passed_before(key: str) -> bool:
-    return os.path.exists(os.path.join(_verdict_dir(), key))
-
-
-def _remember_pass(key: str) -> None:
-    """Record a passed check, so that later imports of the same engine beside the same libstdc++ skip the fork;
-    a folder that cannot be written only means the check runs again next time."""
-    if not key:
-        return
-    try:
-        os.makedirs(_verdict_dir(), exist_ok=True)
-        with open(os.path.join(_verdict_dir(), key), "w") as f:
-            f.write(f"{FORMAT_WANT}\n")
+            paths = sorted({line.split()[-1] for line in maps if "libstdc++" in line and "/" in line})
+        return [f"{os.path.realpath(p)}:{os.stat(p).st_size}:{os.stat(p).st_mtime_ns}" for p in paths]
     except OSError:
-        pass
+        return []
 
 
-def check_number_formatting(engine, where: str) -> None:
+def check_number_formatting(engine, where: str, checked_with: list[str] | None = None) -> None:
     """Has the engine `engine` (loaded from `where`) format a number as its messages do, and raises an
     ImportError naming the cause and the fix when it gets it wrong or crashes.
 
@@ -152,17 +120,13 @@ def check_number_formatting(engine, where: str) -> None:
     libstdc++ torch loads: every message holding a number came out empty or crashed the process (an H200,
     2026-12-04). setup.py checks this on the build host; a wheel built elsewhere meets this machine's
     libstdc++ only here. A child that gives no answer in time (a fork beside threads) leaves it unchecked.
-    A pass is remembered per engine file and libstdc++ (under $XDG_CACHE_HOME/offcache, else ~/.cache/offcache):
-    the fork runs at the first import on a machine, not at every one.
+    `checked_with`: the libstdc++ the build's own check passed beside (setup.py records it with the engine);
+    the same one loaded here needs no second check, so an engine built on this machine forks no child.
     """
-    key = _verdict_key(engine)
-    if key and _passed_before(key):
+    if checked_with and checked_with == loaded_libstdcxx():
         return
     got, crash = _format_in_child(engine)
-    if got == FORMAT_WANT:
-        _remember_pass(key)
-        return
-    if got == "" and crash:
+    if got == FORMAT_WANT or (got == "" and crash):
         return
     what = (
         f"crashed ({crash}) formatting {FORMAT_VALUE} and 0.5"
@@ -202,7 +166,10 @@ def _load_engine():
         ) from exc
     if _C.torch_version != running:  # an engine with no record (copied in, older build)
         raise ImportError(torch_mismatch(_C.torch_version, running, _C.cuda_version))
-    check_number_formatting(_C, getattr(_C, "__file__", None) or str(here))
+    loaded = Path(getattr(_C, "__file__", None) or here)
+    # The record vouches for the engine file it names (its size checked), not for a module loaded from elsewhere.
+    vouched = record is not None and loaded.parent.resolve() == here.resolve() and loaded.name == record["engine"]
+    check_number_formatting(_C, str(loaded), record.get("format_checked_with") if vouched else None)
     return _C
 
 
