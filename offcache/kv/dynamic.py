@@ -40,6 +40,7 @@ except ModuleNotFoundError as _missing:  # one line naming the extra, as offcach
 
 
 from offcache import engine as _engine
+from offcache.kv.counters import count as _count
 from offcache.kv.layer import OffloadedLayerBase
 from offcache.kv.static import OffloadedStaticKVCache  # noqa: F401  (the static one, for offcache.__getattr__)
 
@@ -59,6 +60,11 @@ def cache_kwarg() -> str:
 
 def _on_cpu(index):
     return index.to(_CPU) if isinstance(index, torch.Tensor) else index
+
+
+def _allocations(tensors) -> int:
+    """How many allocations fetched tensors live in (the engine packs small ones into one)."""
+    return len({_engine._C.allocation_of(t).data_ptr() for t in tensors})
 
 
 def _views_of(new: tuple[torch.Tensor, torch.Tensor], old: tuple[torch.Tensor, torch.Tensor]) -> bool:
@@ -159,6 +165,7 @@ class _Offloaded(OffloadedLayerBase):
         """Start the H2D copy of this layer's K/V; update() waits on it (not while handed out: _may_prefetch)."""
         if self._host_k and self._may_prefetch():
             tensors, ticket = _engine.fetch(self._host_k + self._host_v, self.device, False)
+            _count(kv_output_allocations=_allocations(tensors))
             self._prefetched = (tensors, self._version, len(self._host_k), ticket)
 
     def offload(self) -> None:  # the K/V already live in the arena
@@ -177,8 +184,10 @@ class _Offloaded(OffloadedLayerBase):
                 pre[-1].wait()  # a stale prefetch: ordered before its memory is reused
             n = len(self._host_k)
             tensors, ticket = _engine.fetch(self._host_k + self._host_v, self.device, True)
+            _count(kv_output_allocations=_allocations(tensors))
         self._last_read = ticket
         k, v = tensors[:n], tensors[n:]
+        _count(kv_output_allocations=2 * (n > 1))
         return (k[0] if len(k) == 1 else torch.cat(k, dim=-2)), (v[0] if len(v) == 1 else torch.cat(v, dim=-2))
 
     def _drop_offloaded(self) -> None:
@@ -269,6 +278,7 @@ class OffloadedLayer(_Offloaded, DynamicLayer):
             if past is None:
                 keys, values = key_states, value_states
             else:
+                _count(kv_output_allocations=2)
                 keys = torch.cat([past[0], key_states], dim=-2)
                 values = torch.cat([past[1], value_states], dim=-2)
             k, v = _engine.store([keys, values] if compact else [key_states, value_states], _CPU)
@@ -280,6 +290,7 @@ class OffloadedLayer(_Offloaded, DynamicLayer):
             self._host_v.append(v)
         self._seq = keys.shape[-2]
         self._changed()
+        _count(kv_layer_updates=1, kv_new_token_bytes=key_states.nbytes + value_states.nbytes)
         return keys, values
 
     def get_seq_length(self) -> int:
