@@ -84,3 +84,20 @@ def test_a_long_decode_grows_each_layer_geometrically(engine):
     assert c["h2d_copies"] <= 2 and c["output_allocations"] <= 2, c
     for ours, theirs in zip(cache.layers, ref.layers):
         assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+
+
+@pytest.mark.parametrize("engine", ["host"], indirect=True)
+def test_static_cache_work_per_layer_step(engine):
+    """Issue 41 item 4, beside the dynamic cache's: the static cache moves the filled prefix in one H2D copy
+    per tensor into its shared device buffers (no allocation per step) and the new positions D2H."""
+    model = _model()
+    ids = torch.randint(1, 128, (1, 64), generator=torch.Generator().manual_seed(3))
+    ctx = Context(device=torch.device("cpu"), quick=True, tiny=True, backend=offcache.build_info()["backend"])
+    kw_ = dict(config=model.config, max_cache_len=128)
+    row, got = _run(ctx, model, ids, lambda: offcache.OffloadedStaticKVCache(**kw_), 24, disable_compile=True)
+    _, want = _run(ctx, model, ids, lambda: transformers.StaticCache(**kw_), 24, disable_compile=True)
+    assert torch.equal(got, want)
+    c = row["per_layer_step"]
+    assert c["layer_steps"] == 4 * 23
+    assert c["h2d_copies"] <= 2 and c["output_allocations"] == 0, c
+    assert c["d2h_bytes_over_new"] == 1.0 and c["pinned_chunks_made"] == 0, c
