@@ -302,6 +302,14 @@ def summary(r: dict, names=SECTIONS) -> str:
             if x.get("completed"):
                 equal = x.get("equal_to_static", x.get("equal_to_dynamic"))
                 lines.append(f"  {x['case']:15} {x['impl']:24} {x['decode_tokens_per_s_median'] or 0:9.1f}  {equal}")
+                if x.get("per_layer_step"):
+                    c = x["per_layer_step"]
+                    lines.append(
+                        f"  {'':15} per layer-step: {c['h2d_copies']:.2f} H2D copies, {c['output_allocations']:.2f} "
+                        f"output allocations, D2H {c['d2h_bytes_over_new']:.2f}x the new tokens' bytes "
+                        f"({c['host_copy_bytes_over_new']:.2f}x of it host to host), "
+                        f"{c['pinned_chunks_made']} pinned chunks made"
+                    )
             else:
                 lines.append(f"  {x['case']:15} {x['impl']:24} {x.get('error') or x.get('note') or 'not run'}")
     if "soak" in names and r.get("soak"):

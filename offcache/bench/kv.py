@@ -12,6 +12,10 @@ tokens/s (median and spread over repeats, a short warm-up kept apart), bytes
 moved per decode step D2H and H2D (offcache: offcache.stats() deltas; transformers'
 offloading: its buffer sizes), and whether the output equals the reference's
 (DynamicCache for dynamic cases, StaticCache for static ones).
+offcache's rows also carry ``per_layer_step``: the decode steps' work per offloaded layer and
+step (H2D copies, output allocations, D2H bytes over the new tokens' bytes, host-to-host bytes,
+pinned chunks made), from the engine's counters and offcache.kv.counters (issue 41).
+The step clock waits on an event of the current stream, never for the whole device.
 """
 
 from __future__ import annotations
@@ -36,20 +40,63 @@ def _model(ctx: Context):
                      max_position_embeddings=4096)  # fmt: skip
 
 
-class _StepClock:
-    """A logits processor that timestamps every generated token and snapshots offcache's copy counters."""
+def _stream_waiter(ctx: Context):
+    """Waits for the work queued so far on the current stream (an event of it; on the CPU nothing
+    to wait for), not for the whole device: copies another stream still runs ahead for the next
+    step are not waited for, for any cache."""
+    if not ctx.gpu:
+        return lambda: None
 
-    def __init__(self, sync):
-        self.sync = sync
+    def wait():
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(ctx.device))
+        event.synchronize()
+
+    return wait
+
+
+def _counters() -> dict:
+    """The engine's copy counters and the KV caches' own (offcache.kv.counters), now."""
+    from offcache.kv.counters import kv_stats
+
+    s = offcache.stats()
+    keys = ("d2h_bytes", "h2d_bytes", "d2h_copies", "h2d_copies", "chunks_made")
+    return {**{k: s[k] for k in keys}, **kv_stats()}
+
+
+class _StepClock:
+    """A logits processor that timestamps every generated token and snapshots the copy counters."""
+
+    def __init__(self, wait):
+        self.wait = wait
         self.times: list[float] = []
-        self.copied: list[tuple[int, int]] = []  # (d2h_bytes, h2d_bytes), counted as copies are issued
+        self.counters: list[dict] = []  # read as copies are issued, after each forward
 
     def __call__(self, input_ids, scores):
-        self.sync()
+        self.wait()
         self.times.append(time.perf_counter())
-        s = offcache.stats()
-        self.copied.append((s["d2h_bytes"], s["h2d_bytes"]))
+        self.counters.append(_counters())
         return scores
+
+
+def per_layer_step(first: dict, last: dict) -> dict:
+    """The decode steps' work per offloaded layer and step, from two _counters() snapshots: H2D
+    copies, output allocations, D2H bytes over the new tokens' bytes (the engine's d2h_bytes, which
+    include the host-to-host copies; and without them), host-to-host bytes over the new tokens'
+    bytes, and the pinned chunks made in all (the arena growing)."""
+    d = {k: last[k] - first[k] for k in first}
+    steps, new = d["kv_layer_updates"], d["kv_new_token_bytes"]
+    if not steps or not new:
+        return {}
+    return {
+        "layer_steps": steps,
+        "h2d_copies": d["h2d_copies"] / steps,
+        "output_allocations": d["kv_output_allocations"] / steps,
+        "d2h_bytes_over_new": d["d2h_bytes"] / new,
+        "d2h_bytes_over_new_without_host_copies": (d["d2h_bytes"] - d["kv_host_copy_bytes"]) / new,
+        "host_copy_bytes_over_new": d["kv_host_copy_bytes"] / new,
+        "pinned_chunks_made": d["chunks_made"],
+    }
 
 
 # transformers' offloaded caches move layers with CUDA streams and events: they need a GPU.
@@ -88,7 +135,7 @@ def _run(ctx: Context, model, ids, make_cache, new_tokens: int, **generate_kwarg
 
     from offcache.kv.dynamic import cache_kwarg
 
-    sync = (lambda: torch.cuda.synchronize(ctx.device)) if ctx.gpu else (lambda: None)
+    sync = _stream_waiter(ctx)
     clock = _StepClock(sync)
     if ctx.gpu:
         torch.cuda.reset_peak_memory_stats(ctx.device)
@@ -112,9 +159,11 @@ def _run(ctx: Context, model, ids, make_cache, new_tokens: int, **generate_kwarg
     if isinstance(cache, (offcache.OffloadedKVCache, offcache.OffloadedStaticKVCache)) and steps:
         # Step i's counters are read after its forward: the deltas are the decode steps' copies
         # (layer 0's prefix for the next step is prefetched during the last layer of this one).
-        (d0, h0), (d1, h1) = clock.copied[0], clock.copied[-1]
-        row["d2h_bytes_per_step"], row["h2d_bytes_per_step"] = (d1 - d0) / steps, (h1 - h0) / steps
+        first, last = clock.counters[0], clock.counters[-1]
+        row["d2h_bytes_per_step"] = (last["d2h_bytes"] - first["d2h_bytes"]) / steps
+        row["h2d_bytes_per_step"] = (last["h2d_bytes"] - first["h2d_bytes"]) / steps
         row["bytes_from"] = "offcache.stats()"
+        row["per_layer_step"] = per_layer_step(first, last)
     if ctx.gpu:
         row["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(ctx.device)
     return row, out
@@ -157,7 +206,7 @@ def run_case(ctx: Context, model, case: str, prompt: int, new_tokens: int, repea
             repeats=repeats,
             host_max_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         )
-        for key in ("d2h_bytes_per_step", "h2d_bytes_per_step", "bytes_from"):
+        for key in ("d2h_bytes_per_step", "h2d_bytes_per_step", "bytes_from", "per_layer_step"):
             if key in runs[-1]:
                 row[key] = runs[-1][key]
         if ctx.gpu:
@@ -253,7 +302,7 @@ def run_kv(ctx: Context) -> list[dict]:
         if not ctx.quick:
             static.append(("static_4x_compiled", long, 64, 4))
     else:
-        cases = [("short", 64, 32), ("long", 1024 if ctx.quick else 2048, 32)]
+        cases = [("short", 512, 64), ("long", 1536, 64)]  # issue 41's counters: 512 and 1536, 64 steps
         static = [("static", 256, 16, 1), ("static_4x", 256, 16, 4)]
     rows = []
     for case, prompt, new in cases:

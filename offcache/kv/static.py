@@ -56,6 +56,7 @@ except ModuleNotFoundError as _missing:  # one line naming the extra, as offcach
 
 
 from offcache import engine as _engine
+from offcache.kv.counters import count as _count
 from offcache.kv.layer import OffloadedLayerBase
 from offcache.kv.resident import _check_croppable, _resident_op, _tokens_to_remove  # noqa: F401  (tests use _resident_op)
 
@@ -329,6 +330,7 @@ class OffloadedStaticLayer(_StaticOffloaded, StaticLayer):
             self._store_positions(start, key_states, value_states)
         self._seq = start + n
         self.cumulative_length.add_(n)
+        _count(kv_layer_updates=1, kv_new_token_bytes=key_states.nbytes + value_states.nbytes)
         return k, v
 
     def _shorten(self, remove: int) -> None:
@@ -379,6 +381,7 @@ class OffloadedStaticSlidingLayer(_StaticOffloaded, StaticSlidingWindowLayer):
                 raise
             finally:
                 self._dev_k = self._dev_v = None
+        _count(kv_layer_updates=1, kv_new_token_bytes=key_states.nbytes + value_states.nbytes)
         return keys, values
 
     def _shorten(self, remove: int) -> None:  # only before the window dropped anything (_check_croppable)

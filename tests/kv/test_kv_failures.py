@@ -47,7 +47,7 @@ def _caches(kind: str):
     if kind.startswith("static"):
         return (offcache.OffloadedStaticKVCache(config=config, max_cache_len=32, offload_sliding=True),
                 transformers.StaticCache(config=config, max_cache_len=32))  # fmt: skip
-    return (offcache.OffloadedKVCache(config=config, offload_sliding=True, compact_every=3),
+    return (offcache.OffloadedKVCache(config=config, offload_sliding=True),
             transformers.DynamicCache(config=config))  # fmt: skip
 
 
@@ -79,6 +79,59 @@ def test_a_failed_update_leaves_the_layer_as_it_was(engine, monkeypatch, kind, f
         want = ref.update(k, v, 0)
         assert ours.get_seq_length(0) == ref.get_seq_length(0), f"step {i}"
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"step {i}"
+
+
+@pytest.mark.parametrize("engine", ["host", "host-1MiB-slow"], indirect=True)
+@pytest.mark.parametrize("fail_call", [0, 1, 2, 3])
+@pytest.mark.parametrize("handed_out", [False, True])
+def test_a_dynamic_update_failing_at_any_engine_call_leaves_the_layer_as_it_was(engine, monkeypatch, fail_call,
+                                                                                handed_out):  # fmt: skip
+    """Buffers that grow every few steps (ALIGN 1): an update makes up to four engine calls (the fetch, the new
+    buffers' store, the prefix's copy into them, the new tokens' copy). Failing at any of them leaves the layer
+    as it was, K/V handed out before included (their copy on write); the same step then succeeds."""
+    from offcache.kv import dynamic_layers
+
+    monkeypatch.setattr(dynamic_layers, "ALIGN", 1)
+    ours, ref = _caches("dynamic")
+    calls = {"armed": False, "n": 0}
+
+    def wrap(real):
+        def call(*args, **kwargs):
+            if calls["armed"]:
+                calls["n"] += 1
+                if calls["n"] - 1 == fail_call:
+                    calls["armed"] = False
+                    raise offcache.HostLimitError("injected: the host limit is reached")
+            return real(*args, **kwargs)
+
+        return call
+
+    for name in ("store", "copy_into"):
+        monkeypatch.setattr(_engine, name, wrap(getattr(_engine, name)))
+    failed = 0
+    for i in range(12):
+        k, v = _step(i, 3 if i == 0 else 1)
+        before_len = ours.get_seq_length(0)
+        before_kv = _kv(ref, 0) if before_len else None  # the reference's: reading ours would hand it out
+        held = (ours.layers[0].keys, ours.layers[0].values) if handed_out and before_len else None
+        calls.update(armed=True, n=0)
+        try:
+            got = ours.update(k, v, 0)
+        except offcache.HostLimitError:
+            failed += 1
+            assert ours.get_seq_length(0) == before_len, f"step {i}"
+            if before_kv is not None:
+                after = _kv(ours, 0)
+                assert torch.equal(after[0], before_kv[0]) and torch.equal(after[1], before_kv[1]), f"step {i}"
+            got = ours.update(k, v, 0)  # the same step again, now succeeding
+        calls["armed"] = False
+        want = ref.update(k, v, 0)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"step {i}"
+        if held is not None:  # a reference taken before the step sees none of it
+            assert held[0].shape[-2] == before_len and torch.equal(held[0], before_kv[0])
+    assert failed, "no update reached the injected failure"
+    layer, theirs = ours.layers[0], ref.layers[0]
+    assert torch.equal(layer.keys, theirs.keys) and torch.equal(layer.values, theirs.values)
 
 
 # References held across steps (issue 31 items 2 and 3) -------------------------------------------------
@@ -120,35 +173,43 @@ def test_a_reference_taken_before_a_step_and_edited_after_it_behaves_as_in_trans
     assert torch.allclose(logits["ours"], logits["ref"], atol=1e-5, rtol=0), gap
 
 
-# A read near the host limit (issue 31 item 10) --------------------------------------------------------
+# At the host limit (issue 31 item 10; issue 41: a layer is one buffer per tensor) ------------------------
 
 
-def test_a_read_at_the_host_limit_says_what_it_needs_and_loses_nothing(engine_config):
-    """Reading an offloaded layer's keys joins its chunks into one tensor (handed out for in-place
-    edits, which must reach the cache), so it needs the layer's size in host room. At the host limit
-    with no disk tier it raises HostLimitError saying so; the cache is unchanged and decodes on, with
-    DynamicCache's tokens."""
+def test_at_the_host_limit_a_read_needs_no_room_and_a_growth_that_finds_none_loses_nothing(engine_config):
+    """Reading an offloaded layer's keys hands out a view of its buffer: no host room needed, at the host
+    limit too. An update whose buffers must grow past the limit (no disk tier) raises HostLimitError and
+    leaves the layer as it was; the cache decodes on with DynamicCache's tokens."""
     from tests.kv.kv_models import kw
 
     engine_config(backend="host", host_limit="600KiB", disk_dir="none")
     model = causal_lm("llama")
-    ours = offcache.OffloadedKVCache(config=model.config, compact_every=1000)
+    ours = offcache.OffloadedKVCache(config=model.config)
     ref = transformers.DynamicCache(config=model.config)
     ids = _ids(2, 8, seed=1)
     with torch.no_grad():
         steps = {}
         for name, cache in (("ours", ours), ("ref", ref)):
             out, tokens = model(input_ids=ids, **kw(cache), use_cache=True).logits, []
-            for _ in range(300):  # about 200 KiB of K/V per layer, in 300 chunks
+            for _ in range(100):  # 108 tokens: each layer's buffers hold 128 positions (64 KiB of K and V)
                 tokens.append(out[:, -1:].argmax(-1))
                 out = model(input_ids=tokens[-1], **kw(cache), use_cache=True).logits
             steps[name] = out
-        assert len(ours.layers[0]._host_k) > 1
-        length = ours.get_seq_length()
-        joins = r"reading an offloaded layer's keys/values joins its \d+ chunks"
-        with pytest.raises(offcache.HostLimitError, match=joins):
-            _ = ours.layers[0].keys
+        offcache.synchronize()
+        host = offcache.stats()["pinned_in_use_bytes"] + offcache.stats()["pageable_bytes"]
+        held = [(layer.keys, layer.values) for layer in ours.layers]  # views: no room taken
+        offcache.synchronize()
+        assert offcache.stats()["pinned_in_use_bytes"] + offcache.stats()["pageable_bytes"] == host
+        for (k, v), layer in zip(held, ref.layers):
+            assert torch.equal(k, layer.keys) and torch.equal(v, layer.values)
+        del held
+        length, before = ours.get_seq_length(), _kv(ours, 0)
+        big = torch.randn(B, H, 2000, 16)  # 2108 tokens: buffers of 3200 positions, 1.6 MB: past the limit
+        with pytest.raises(offcache.HostLimitError):
+            ours.update(big, big, 0)
         assert ours.get_seq_length() == length
+        after = _kv(ours, 0)
+        assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])
         for name, cache in (("ours", ours), ("ref", ref)):
             step = steps[name][:, -1:].argmax(-1)
             steps[name] = model(input_ids=step, **kw(cache), use_cache=True).logits

@@ -2,11 +2,12 @@
 
 One machine drives both offcache caches side by side with their references on a tiny model:
 ``OffloadedKVCache`` with ``DynamicCache``, ``OffloadedStaticKVCache`` with ``StaticCache``.
-Rules: forward steps of random lengths, reads and in-place edits (tensor, ``.data``, numpy) of
-any layer's keys / values, references to them held across later steps and edited then (DynamicCache's
-are stale after the next update, StaticCache's persistent), updates that fail at the engine
-(HostLimitError: the layer is left as it was, the reference not updated), ``reorder_cache``,
-``crop``, ``batch_select_indices``,
+Rules: forward steps of random lengths (the dynamic layers' buffers grow every few steps, or
+never, by the drawn alignment; prefetches one to three layers ahead), reads and in-place edits
+(tensor, ``.data``, numpy) of any layer's keys / values, references to them held across later
+steps and edited then (DynamicCache's are stale after the next update, StaticCache's
+persistent), updates that fail at the engine (HostLimitError: the layer is left as it was, the
+reference not updated), ``reorder_cache``, ``crop``, ``batch_select_indices``,
 ``batch_repeat_interleave``, ``deepcopy`` / pickling, ``reset``. Every step's logits equal the
 reference's; every layer's K/V are compared by a rule and at the end (a rule, not an invariant:
 reading K/V drops a layer's prefetch, and the prefetch carried from one step to the next must be
@@ -45,6 +46,7 @@ from hypothesis.stateful import (
 import offcache
 from offcache import engine as _engine
 from offcache.bench.models import causal_lm
+from offcache.kv import dynamic_layers
 from offcache.kv.dynamic import OffloadedKVCache
 from offcache.kv.layer import OffloadedLayerBase
 from offcache.kv.static import OffloadedStaticKVCache, _resident_op
@@ -96,13 +98,16 @@ def assert_same_layer(ours, ref, static: bool, where) -> None:
 class KVCaches(RuleBasedStateMachine):
     """(OffloadedKVCache, DynamicCache) and (OffloadedStaticKVCache, StaticCache) fed the same tokens."""
 
-    @initialize(kind=st.sampled_from(KINDS), batch=st.integers(1, 3), compact=st.integers(1, 4),
-                offload_sliding=st.booleans())  # fmt: skip
-    def start(self, kind, batch, compact, offload_sliding):
+    @initialize(kind=st.sampled_from(KINDS), batch=st.integers(1, 3), depth=st.integers(1, 3),
+                align=st.sampled_from([1, 64]), offload_sliding=st.booleans())  # fmt: skip
+    def start(self, kind, batch, depth, align, offload_sliding):
         self.kind, self.model, self.batch, self.seq = kind, model_of(kind), batch, 0
         config = self.model.config
+        # align 1: a dynamic layer's buffers hold 1.5x the positions they need, so they grow every few steps
+        self.align = mock.patch.object(dynamic_layers, "ALIGN", align)
+        self.align.start()
         self.pairs = {
-            "dynamic": [OffloadedKVCache(config=config, offload_sliding=offload_sliding, compact_every=compact),
+            "dynamic": [OffloadedKVCache(config=config, offload_sliding=offload_sliding, prefetch_depth=depth),
                         DynamicCache(config=config)],
             "static": [OffloadedStaticKVCache(config=config, max_cache_len=MAX_LEN, offload_sliding=offload_sliding),
                        StaticCache(config=config, max_cache_len=MAX_LEN)],
@@ -267,8 +272,12 @@ class KVCaches(RuleBasedStateMachine):
                 assert int(ours.get_seq_length()) == int(ref.get_seq_length())
 
     def teardown(self):
-        if hasattr(self, "pairs") and self.seq > 0:
-            self.check_layers(None)
+        try:
+            if hasattr(self, "pairs") and self.seq > 0:
+                self.check_layers(None)
+        finally:
+            if hasattr(self, "align"):
+                self.align.stop()
 
 
 def _refuse(reached: list, *args, **kwargs):
