@@ -435,6 +435,8 @@ def _advice(p_peak: int, tiers: Tiers, weights: Weights, method: str, reason: st
         )
     safe = safe_host_limit(tiers.memory_bytes, weights.ram_bytes, nproc)
     ranks = "each rank's working set" if nproc > 1 else "the process's working set"
+    rest = "the rest on the disk tier" if tiers.disk_dir else \
+        "the rest on a disk tier (OFFCACHE_DISK_DIR: a folder on a disk with room; there is none now)"  # fmt: skip
     held = f"{' per rank' if nproc > 1 else ''}: half of what is left beside the weights held there and {ranks} of " \
            f"about {_h(PROCESS_WORKING_SET)}"  # fmt: skip
     if tiers.disk_bytes and p_peak <= safe:
@@ -446,14 +448,14 @@ def _advice(p_peak: int, tiers: Tiers, weights: Weights, method: str, reason: st
     elif tiers.disk_bytes and _engine.parse_size(_safe_limit_text(safe)) > tiers.host_limit_bytes:
         out.append(
             f"On this machine, the cache peak ({_h(p_peak)}) is more than this machine holds safely ({_h(safe)}{held})"
-            f": OFFCACHE_HOST_LIMIT={_safe_limit_text(safe)} keeps that much of it in memory and the "
-            "rest on the disk tier; a higher limit risks the kernel's OOM killer."
+            f": OFFCACHE_HOST_LIMIT={_safe_limit_text(safe)} keeps that much of it in memory and {rest}; a "
+            "higher limit risks the kernel's OOM killer."
         )
     elif min(p_peak, tiers.host_limit_bytes) > safe:
         out.append(
             f"On this machine, the host limit ({_h(tiers.host_limit_bytes)}) lets the cache hold more than this "
-            f"machine holds safely ({_h(safe)}{held}): OFFCACHE_HOST_LIMIT={_safe_limit_text(safe)} "
-            "sends the rest to the disk tier instead of risking the kernel's OOM killer."
+            f"machine holds safely ({_h(safe)}{held}): OFFCACHE_HOST_LIMIT={_safe_limit_text(safe)} keeps "
+            f"{rest} instead of risking the kernel's OOM killer."
         )
     disk_need = nproc * tiers.disk_bytes + weights.disk_bytes
     if not tiers.fits or disk_need > tiers.disk_free_bytes and (weights.disk_bytes or nproc > 1):

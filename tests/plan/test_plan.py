@@ -318,6 +318,11 @@ def test_the_host_limit_advice_stays_inside_what_the_engine_deems_safe(engine_co
     (advice,) = [a for a in p.advice if "OFFCACHE_HOST_LIMIT=" in a]
     assert "risking the kernel's OOM killer" in advice
     assert offcache.engine.parse_size(advice.split("OFFCACHE_HOST_LIMIT=")[1].split()[0]) <= peak // 2
+    # With no disk tier the advice says where the rest would have to go.
+    engine_config(backend="host", pinned_limit="1MiB", host_limit=peak, disk_dir="none")
+    monkeypatch.setattr(machine, "usable_memory_bytes", lambda: peak)
+    (advice,) = [a for a in plan.estimate(shape=SHAPE, samples=64, seq_len=128).advice if "OFFCACHE_HOST_LIMIT=" in a]
+    assert "OFFCACHE_DISK_DIR" in advice and "there is none now" in advice
 
 
 def test_weights_are_placed_and_onloaded_per_subgraph(engine_config):
