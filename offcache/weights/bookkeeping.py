@@ -82,10 +82,10 @@ def subgraph_stats() -> list[dict]:
     return [vars(s).copy() for s in _state.history]
 
 
-def _host_wait(ticket) -> None:
-    """Block the host until `ticket`'s copies landed, counted as a host wait."""
+def _host_wait(block) -> None:
+    """Run `block`, which blocks the host until copies landed, counted as a host wait with its seconds."""
     t0 = time.perf_counter()
-    _engine.wait_on_host(ticket)
+    block()
     COUNTERS["weight_host_waits"] += 1
     COUNTERS["weight_host_wait_seconds"] += time.perf_counter() - t0
     if _state.current is not None:
@@ -101,12 +101,7 @@ def _wait(ticket, device: torch.device) -> None:
     if ticket.query():
         ticket.wait()
     elif device.type == "cpu" or not ticket.issued():  # the host blocks (on a GPU: for a disk read)
-        t0 = time.perf_counter()
-        ticket.wait()
-        COUNTERS["weight_host_waits"] += 1
-        COUNTERS["weight_host_wait_seconds"] += time.perf_counter() - t0
-        if _state.current is not None:
-            _state.current.host_waits += 1
+        _host_wait(ticket.wait)
     else:
         ticket.wait()
         COUNTERS["weight_stream_waits"] += 1
@@ -118,12 +113,7 @@ def _flush(offloaded: Tensor) -> None:
     if entry is None or entry[0] is not offloaded:
         return
     if not entry[1].query():
-        t0 = time.perf_counter()
-        _engine.wait_stored(offloaded)
-        COUNTERS["weight_host_waits"] += 1
-        COUNTERS["weight_host_wait_seconds"] += time.perf_counter() - t0
-        if _state.current is not None:
-            _state.current.host_waits += 1
+        _host_wait(lambda: _engine.wait_stored(offloaded))
 
 
 def _flush_all() -> None:
@@ -146,7 +136,7 @@ def _take_prefetched(offloaded: Tensor, device: torch.device) -> Tensor | None:
     if entry.tag is not None and not entry.ticket.query():
         # Another process may write the source: its generation says whether the copy read one value only
         # once the copy has landed, so a GPU consumer waits on the host here, not only on its stream.
-        _host_wait(entry.ticket)
+        _host_wait(lambda: _engine.wait_on_host(entry.ticket))
     _wait(entry.ticket, device)
     if not entry.cache._fresh(offloaded, entry.tag):
         COUNTERS["weight_prefetch_stale"] += 1
