@@ -95,7 +95,7 @@ def model_walk(n: int, h: int, device: str, impl: str) -> dict:
     subgraph by subgraph in disable_offloading() contexts, two passes each (as the sequential
     pipeline's calibration and propagation). Returns every subgraph's output bytes, the classes,
     the per-subgraph records, the counters' change and the collectives made while running."""
-    from compressed_tensors.offload import disable_offloading, offload_module
+    from compressed_tensors.offload import offload_module
 
     from offcache.weights import compressed_tensors as oc_ct
 
@@ -109,26 +109,36 @@ def model_walk(n: int, h: int, device: str, impl: str) -> dict:
             for module in block.modules():
                 offload_module(module, device, "cpu")
         kinds = sorted({type(m._parameters).__name__ for b in blocks for m in b.modules()})
-        before = _counters()
-        history = len(oc_ct.subgraph_stats())
-        subgraphs = [_Subgraph(b) for b in blocks]
-        if impl == "ours":
-            subgraphs = oc_ct._wrap_subgraphs(subgraphs)
-        outs = []
-        h_ = x.to(device)
-        with _Counting() as counting:
-            for subgraph in subgraphs:
-                with disable_offloading():
-                    subgraph.forward(None, h_)
-                    h_ = subgraph.forward(None, h_)
-                outs.append(_describe(h_.cpu()))
-        now = _counters()
-        records = oc_ct.subgraph_stats()[history:]
+        ran = _run_subgraphs([_Subgraph(b) for b in blocks], x.to(device), impl)
     finally:
         if impl == "ours":
             oc_ct.unpatch()
+    return {"kinds": kinds, **ran}
+
+
+def _run_subgraphs(subgraphs: list, h_: torch.Tensor, impl: str) -> dict:
+    """Each subgraph run twice in a disable_offloading() context (calibration, then propagation; offcache's
+    prefetch wrapping them for impl "ours"): every output's bytes, the per-subgraph records, the counters'
+    change and the collectives made."""
+    from compressed_tensors.offload import disable_offloading
+
+    from offcache.weights import compressed_tensors as oc_ct
+
+    before = _counters()
+    history = len(oc_ct.subgraph_stats())
+    if impl == "ours":
+        subgraphs = oc_ct._wrap_subgraphs(subgraphs)
+    outs = []
+    with _Counting() as counting:
+        for subgraph in subgraphs:
+            with disable_offloading():
+                subgraph.forward(None, h_)
+                h_ = subgraph.forward(None, h_)
+            outs.append(_describe(h_.cpu()))
+    now = _counters()
     counters = {k: now[k] - before[k] for k in now if now[k] != before[k]}
-    return {"kinds": kinds, "outs": outs, "records": records, "counters": counters, "collectives": counting.counts}
+    return {"outs": outs, "records": oc_ct.subgraph_stats()[history:], "counters": counters,
+            "collectives": counting.counts}  # fmt: skip
 
 
 def offload_pair(mod: str, shapes: list, device: str = "cpu") -> None:
@@ -249,7 +259,7 @@ def tied_walk(device: str, impl: str) -> dict:
     a model loaded on the source rank only). As model_walk, plus whether the tie is one offloaded
     tensor here and the bytes fetched from the node region."""
     from compressed_tensors.distributed import is_source_process
-    from compressed_tensors.offload import disable_offloading, offload_module
+    from compressed_tensors.offload import offload_module
 
     from offcache.weights import compressed_tensors as oc_ct
 
@@ -263,23 +273,8 @@ def tied_walk(device: str, impl: str) -> dict:
         for module in [first, *tied.modules()]:
             offload_module(module, device, "cpu")
         offloaded = [m._parameters.offloaded_values["weight"] for m in (tied.embed, tied.head)]
-        before = _counters()
-        history = len(oc_ct.subgraph_stats())
-        subgraphs = [_Subgraph(first), _Subgraph(tied)]
-        if impl == "ours":
-            subgraphs = oc_ct._wrap_subgraphs(subgraphs)
-        outs, h_ = [], x.to(device)
-        with _Counting() as counting:
-            for subgraph in subgraphs:
-                with disable_offloading():
-                    subgraph.forward(None, h_)
-                    h_ = subgraph.forward(None, h_)
-                outs.append(_describe(h_.cpu()))
-        now = _counters()
-        records = oc_ct.subgraph_stats()[history:]
+        ran = _run_subgraphs([_Subgraph(first), _Subgraph(tied)], x.to(device), impl)
     finally:
         if impl == "ours":
             oc_ct.unpatch()
-    counters = {k: now[k] - before[k] for k in now if now[k] != before[k]}
-    return {"outs": outs, "one_tensor": offloaded[0] is offloaded[1], "records": records, "counters": counters,
-            "collectives": counting.counts}  # fmt: skip
+    return {**ran, "one_tensor": offloaded[0] is offloaded[1]}
