@@ -139,21 +139,22 @@ CORE = [
     "csrc/core/page_source.cpp",
 ]
 ENGINE = [
-    "csrc/backend_host.cpp",
-    "csrc/backend_select.cpp",
-    "csrc/dedup.cpp",
-    "csrc/engine.cpp",
-    "csrc/engine_copy.cpp",
-    "csrc/engine_disk.cpp",
-    "csrc/engine_fetch.cpp",
-    "csrc/engine_file.cpp",
-    "csrc/engine_in_flight.cpp",
-    "csrc/engine_store.cpp",
-    "csrc/host_block.cpp",
-    "csrc/shared_region.cpp",
+    "csrc/backends/backend_host.cpp",
+    "csrc/engine/backend_select.cpp",
+    "csrc/engine/dedup.cpp",
+    "csrc/engine/engine.cpp",
+    "csrc/engine/engine_copy.cpp",
+    "csrc/engine/engine_disk.cpp",
+    "csrc/engine/engine_fetch.cpp",
+    "csrc/engine/engine_file.cpp",
+    "csrc/engine/engine_host_memory.cpp",
+    "csrc/engine/engine_in_flight.cpp",
+    "csrc/engine/engine_store.cpp",
+    "csrc/engine/host_block.cpp",
+    "csrc/region/shared_region.cpp",
     "csrc/bindings.cpp",
 ]
-CUDA_SOURCES = ["csrc/backend_cuda.cpp", "csrc/cuda_pinned.cpp"]
+CUDA_SOURCES = ["csrc/backends/backend_cuda.cpp", "csrc/backends/cuda_pinned.cpp"]
 # Headers: an edit to one rebuilds the extension (setuptools compares them with the .so's time).
 HEADERS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.h"))
 
@@ -186,11 +187,17 @@ def extension():
             "offcache._C",
             CORE + ENGINE + CUDA_SOURCES,
             define_macros=macros,
+            include_dirs=[str(ROOT / "csrc")],
             depends=HEADERS,
             extra_compile_args={"cxx": flags, "nvcc": []},
         )
     return CppExtension(
-        "offcache._C", CORE + ENGINE, define_macros=macros, depends=HEADERS, extra_compile_args={"cxx": flags}
+        "offcache._C",
+        CORE + ENGINE,
+        define_macros=macros,
+        include_dirs=[str(ROOT / "csrc")],
+        depends=HEADERS,
+        extra_compile_args={"cxx": flags},
     )
 
 

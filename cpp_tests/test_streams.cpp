@@ -179,6 +179,34 @@ TEST(DeferredFrees, BlockReusedOnlyAfterFences) {
   EXPECT_EQ(pending.size(), 0u);
 }
 
+// A stream-written store may take a pending block before its fences complete,
+// with the fences to order its copy after: the smallest that fits, never one
+// that does not, and the list keeps the rest in order.
+TEST(DeferredFrees, TakeFittingHandsOverTheBlockWithItsFences) {
+  DeferredFrees pending;
+  auto slow = std::make_shared<HostEvent>();
+  auto other = std::make_shared<HostEvent>();
+  pending.push(Block{nullptr, 8192, 0, 0}, {slow});
+  pending.push(Block{nullptr, 4096, 1, 0}, {other, slow});
+  pending.push(Block{nullptr, 1024, 2, 0}, {});
+  auto none = pending.take_fitting([](const Block& b) { return b.size >= 16384; });
+  EXPECT_FALSE(none.has_value());
+  EXPECT_EQ(pending.size(), 3u);
+  auto t = pending.take_fitting([](const Block& b) { return b.size >= 2048; });
+  ASSERT_TRUE(t.has_value());
+  EXPECT_EQ(t->block.chunk, 1u);  // 4096: the smallest that fits, not the first
+  ASSERT_EQ(t->fences.size(), 2u);
+  EXPECT_EQ(t->fences[0], EventPtr(other));
+  EXPECT_EQ(pending.size(), 2u);
+  EXPECT_EQ(pending.bytes(), 8192u + 1024u);
+  // The rest stay pending on their own fences: the 1024 block is free now, the 8192 one is not.
+  size_t freed = pending.reclaim([](const Block& b) { EXPECT_EQ(b.chunk, 2u); });
+  EXPECT_EQ(freed, 1u);
+  slow->complete();
+  EXPECT_EQ(pending.reclaim([](const Block& b) { EXPECT_EQ(b.chunk, 0u); }), 1u);
+  EXPECT_EQ(pending.size(), 0u);
+}
+
 // A failing task (a CUDA event wait that throws on a sticky error, say) must
 // not end the process: later tasks are skipped, later events complete, and
 // the error is kept for the engine to raise.

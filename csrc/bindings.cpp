@@ -1,10 +1,10 @@
 // Python bindings for offcache._C. Copies and waits release the GIL.
 #include <torch/extension.h>
 
-#include "backend_host.h"
-#include "engine.h"
-#include "engine_detail.h"
-#include "shared_region.h"
+#include "backends/backend_host.h"
+#include "engine/engine.h"
+#include "engine/engine_detail.h"
+#include "region/shared_region.h"
 
 #ifdef OFFCACHE_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -84,6 +84,8 @@ py::dict stats_dict() {
   OFFCACHE_FIELD(peak_host_bytes);
   OFFCACHE_FIELD(dedup_hits);
   OFFCACHE_FIELD(spills);
+  OFFCACHE_FIELD(blocks_reused_in_order);
+  OFFCACHE_FIELD(staging_reserved_bytes);
   OFFCACHE_FIELD(stores);
   OFFCACHE_FIELD(fetches);
   OFFCACHE_FIELD(output_allocations);

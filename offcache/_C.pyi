@@ -26,6 +26,8 @@ class _Stats(TypedDict):
     peak_host_bytes: int
     dedup_hits: int
     spills: int
+    blocks_reused_in_order: int
+    staging_reserved_bytes: int
     stores: int
     fetches: int
     d2h_bytes: int

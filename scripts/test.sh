@@ -25,7 +25,7 @@ stage() {
 
 stage "lint (ruff)" .venv/bin/ruff check setup.py offcache tests benchmarks
 stage "lint (ruff format)" .venv/bin/ruff format --check setup.py offcache tests benchmarks
-stage "lint (clang-format)" clang-format --dry-run --Werror csrc/*.cpp csrc/*.h csrc/core/*.cpp csrc/core/*.h cpp_tests/*.cpp
+stage "lint (clang-format)" clang-format --dry-run --Werror csrc/*.cpp csrc/*/*.cpp csrc/*/*.h cpp_tests/*.cpp
 
 for san in none address thread; do
   dir=build/core-$san

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -153,9 +154,61 @@ def test_csrc_core_is_torch_free_and_includes_only_itself():
 
 
 def test_csrc_headers_include_no_circle():
-    files = [*(ROOT / "csrc").glob("*.h"), *(ROOT / "csrc" / "core").glob("*.h")]
+    files = list((ROOT / "csrc").rglob("*.h"))
     edges = {str(p.resolve()): {str(t) for t in _includes(p)} for p in files}
     assert cycles(edges) == []
+
+
+# csrc/'s folders, lowest first: each includes only its own folder and those below it.
+CSRC_LAYERS = ["core", "backends", "region", "engine", ""]  # "": bindings.cpp, on top
+
+
+def _csrc_folder(path: Path) -> str:
+    rel = path.resolve().relative_to((ROOT / "csrc").resolve())
+    return rel.parts[0] if len(rel.parts) > 1 else ""
+
+
+def csrc_upward_includes(root: Path = ROOT / "csrc") -> list[str]:
+    bad = []
+    for path in sorted([*root.rglob("*.h"), *root.rglob("*.cpp")]):
+        here = _csrc_folder(path)
+        assert here in CSRC_LAYERS, f"csrc/{here}/ is in no layer of CSRC_LAYERS"
+        for target in _includes(path):
+            there = _csrc_folder(target)
+            assert target.exists(), f"{path.relative_to(ROOT)} includes {target}, which does not exist"
+            if CSRC_LAYERS.index(there) > CSRC_LAYERS.index(here):
+                bad.append(f"{path.relative_to(ROOT)} -> {target.relative_to(ROOT)}")
+    return bad
+
+
+def test_csrc_includes_point_down():
+    assert csrc_upward_includes() == [], "csrc includes pointing up a layer"
+
+
+def test_csrc_shows_its_layers_as_folders():
+    top = [p.name for p in (ROOT / "csrc").iterdir() if p.is_file()]
+    folders = [p.name for p in (ROOT / "csrc").iterdir() if p.is_dir()]
+    assert len(top) <= 6, f"csrc/ has {len(top)} files at its top: {top}"
+    assert len(folders) >= 3 and set(folders) <= set(CSRC_LAYERS), folders
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted([*(ROOT / "csrc").rglob("*.h"), *(ROOT / "csrc").rglob("*.cpp")]),
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
+def test_no_csrc_file_is_past_600_lines(path):
+    n = len(path.read_text().splitlines())
+    assert n <= 600, f"{path.relative_to(ROOT)} has {n} lines: the concern it holds wants its own file"
+
+
+def test_csrc_blocks_know_no_engine():
+    """A host block frees itself through its owner's release callback (BlockOwner), not a pointer to
+    the Engine class: host_block.* include nothing of the engine's."""
+    for name in ("host_block.h", "host_block.cpp"):
+        path = ROOT / "csrc" / "engine" / name
+        assert all(t.name != "engine.h" for t in _includes(path)), f"{name} includes engine.h"
+        assert "Engine" not in re.sub(r"//.*", "", path.read_text()), f"{name} names the Engine class"
 
 
 @pytest.mark.parametrize("path", sorted(PKG.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
@@ -178,3 +231,13 @@ def test_csrc_comments_name_files_that_exist():
         for n, line in enumerate(path.read_text().splitlines(), 1):
             stale += [f"{path.relative_to(ROOT)}:{n}: {p}" for p in _CSRC_PATH.findall(line) if not (ROOT / p).exists()]
     assert stale == [], "csrc comments name files that do not exist (moved?):\n" + "\n".join(stale)
+
+
+def test_an_upward_csrc_include_is_seen(tmp_path, monkeypatch):
+    """The csrc check can fail: a core file including an engine header is reported."""
+    (tmp_path / "csrc" / "core").mkdir(parents=True)
+    (tmp_path / "csrc" / "engine").mkdir()
+    (tmp_path / "csrc" / "engine" / "engine.h").write_text("#pragma once\n")
+    (tmp_path / "csrc" / "core" / "arena.h").write_text('#include "engine/engine.h"\n')
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert csrc_upward_includes(tmp_path / "csrc") == ["csrc/core/arena.h -> csrc/engine/engine.h"]

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <iterator>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -51,6 +52,28 @@ class DeferredFrees {
   template <class Release>
   size_t reclaim(Release&& release) {
     return reclaim([](const EventPtr& e) { return e->query(); }, std::forward<Release>(release));
+  }
+  // Takes off the list the smallest pending block for which fits(block) is
+  // true, whether or not its fences completed: the caller owns it with those
+  // fences, and must order every write into it after them (a copy stream that
+  // waits on them). nullopt when none fits.
+  struct Taken {
+    Block block;
+    std::vector<EventPtr> fences;
+  };
+  template <class Fits>
+  std::optional<Taken> take_fitting(Fits&& fits) {
+    size_t best = pending_.size();
+    for (size_t i = 0; i < pending_.size(); ++i) {
+      if (fits(pending_[i].block) &&
+          (best == pending_.size() || pending_[i].block.size < pending_[best].block.size)) {
+        best = i;
+      }
+    }
+    if (best == pending_.size()) return std::nullopt;
+    Taken t{pending_[best].block, std::move(pending_[best].fences)};
+    pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(best));
+    return t;
   }
   // Blocks until the fences of every pending block complete (host waits).
   void wait_all();

@@ -250,7 +250,7 @@ def _rebuild_dataclass(cls: type, values: dict[str, Any]) -> Any:
 def check_tensor(t: Tensor, where: str) -> None:
     """Raise a clear error for a tensor the cache cannot hold, naming where it was.
 
-    The engine's ``check_storable`` (csrc/engine_detail.h) holds the same rules,
+    The engine's ``check_storable`` (csrc/engine/engine_detail.h) holds the same rules,
     worded the same after the ``where`` prefix. On every stored tensor: the
     common case costs a few attribute reads.
     """

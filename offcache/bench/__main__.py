@@ -124,9 +124,12 @@ def sections_of(args: argparse.Namespace) -> list[str]:
 def run_section(name: str, ctx: Context, args: argparse.Namespace) -> dict:
     """Run one section; returns the results.json keys it measured."""
     if name == "transfer":
-        from offcache.bench.transfer import run_transfer
+        from offcache.bench.transfer import run_store_reuse, run_transfer
 
-        return {"transfer": run_transfer(ctx)}
+        out = {"transfer": run_transfer(ctx)}
+        if not ctx.gpu and ctx.backend == "host":
+            out["store_reuse"] = run_store_reuse(ctx)
+        return out
     if name == "overlap":
         from offcache.bench.transfer import run_overlap
 
@@ -256,6 +259,13 @@ def summary(r: dict, names=SECTIONS) -> str:
         for d in ("store", "fetch"):
             cells = [f"{x['impl']} {x['gbps']:.2f}" for x in r["transfer"] if x["bytes"] == top and x["direction"] == d]
             lines.append(f"  {d:5}: " + " | ".join(cells))
+        if r.get("store_reuse"):
+            u = r["store_reuse"]
+            lines.append(
+                f"store-and-drop x{u['stores'] + 1} of {u['bytes'] >> 20} MiB, copies slowed: "
+                f"{u['chunks_made_after_first']} chunks made after the first, {u['blocks_reused_in_order']} "
+                f"blocks reused in stream order, peak pinned {u['peak_pinned_reserved_over_bytes']}x the value"
+            )
     if "overlap" in names and r.get("overlap"):
         duplex = next(x for x in r["overlap"] if x["case"] == "duplex")
         cc = next(x for x in r["overlap"] if x["case"] == "copy_compute")

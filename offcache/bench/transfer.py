@@ -101,6 +101,7 @@ def _transfer_at(ctx: Context, size: int) -> list[dict]:
     }
     rows = []
     for (impl, direction), fn in impls.items():
+        before = _engine.stats()
         with _baseline_threads(ctx, impl):
             secs, calls = timed_per_call(ctx, fn, n)
         rows.append({
@@ -108,8 +109,48 @@ def _transfer_at(ctx: Context, size: int) -> list[dict]:
             "threads": 1 if impl != "offcache" and not ctx.gpu else None,
             "median_s": median(secs), "spread": spread(secs), "gbps": gbps(size, median(secs)),
             "gbps_min": gbps(size, max(secs)), "gbps_max": gbps(size, min(secs)),
+            **(_store_counters(before, _engine.stats(), size) if (impl, direction) == ("offcache", "store") else {}),
         })  # fmt: skip
     return rows
+
+
+def run_store_reuse(ctx: Context, drops: int = 16) -> dict:
+    """On a CPU: a GPU's store-and-drop loop, counted on the host backend with each copy slowed
+    (``host_copy_delay_us``), so every store goes through a copy stream and its result dies while the
+    copy is in flight, as on a GPU. The engine is configured for it, then reconfigured as before."""
+    size = (1 << 20) if ctx.tiny else (64 << 20)
+    src = torch.zeros(size, dtype=torch.uint8)
+    offcache.configure(backend="host", host_copy_delay_us=2000)
+    try:
+        _engine.store([src], CPU)  # the first store makes the value's chunk
+        before = _engine.stats()
+        t0 = time.perf_counter()
+        for i in range(1, drops):
+            src.fill_(i)  # a new version each time: no dedup hit
+            _engine.store([src], CPU)
+        offcache.synchronize()
+        seconds = time.perf_counter() - t0
+        after = _engine.stats()
+        row = {"bytes": size, "copy_delay_us": 2000, **_store_counters(before, after, size)}
+        row["chunks_made_after_first"] = row.pop("chunks_made")
+        row["staging_reserved_over_bytes"] = round(after["staging_reserved_bytes"] / size, 3)
+        row["seconds"] = seconds
+    finally:
+        offcache.configure()
+    return row
+
+
+def _store_counters(before: dict, after: dict, size: int) -> dict:
+    """What the store-and-drop loop cost the arena: every value dies at once, while its copy may
+    still be in flight (a GPU store), so each needs a block; ``blocks_reused_in_order`` counts those
+    that took the dropped one behind its copy, ``chunks_made`` the new chunks (a pinning each)."""
+    stores = max(after["stores"] - before["stores"], 1)
+    return {
+        "stores": stores,
+        "chunks_made": after["chunks_made"] - before["chunks_made"],
+        "blocks_reused_in_order": after["blocks_reused_in_order"] - before["blocks_reused_in_order"],
+        "peak_pinned_reserved_over_bytes": round(after["peak_pinned_reserved_bytes"] / size, 3),
+    }
 
 
 def run_overlap(ctx: Context) -> list[dict]:

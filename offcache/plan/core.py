@@ -192,7 +192,7 @@ class Plan:
 def copied_inline(settings: dict) -> bool:
     """Whether the engine copies a store of CPU memory on the calling thread, so that a CPU model's
     snapshots are never in flight: always, except on the host backend slowed for tests (a copy delay),
-    which sends them through its copy stream as a GPU's stores go (csrc/backend.h,
+    which sends them through its copy stream as a GPU's stores go (csrc/backends/backend.h,
     ``copies_host_stores_inline``)."""
     return not settings.get("host_copy_delay_us")
 

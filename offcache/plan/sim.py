@@ -13,7 +13,7 @@ block that does not fit under the host limit goes to the disk tier; its bytes ar
 and read back on every fetch.
 
 Snapshots still in flight (`in_flight_bounds`): on a CPU model a store's snapshot is an arena
-block (the engine's staging, csrc/engine_store.cpp) that lives until its copy completes and the
+block (the engine's staging, csrc/engine/engine_store.cpp) that lives until its copy completes and the
 engine reaps it. Nothing in the pipeline waits for a store but a fetch of what it stored (a
 fetch's copy waits for the block's store, and a CPU consumer waits for the fetch; the copy
 stream completes in order, so every earlier store is then complete too), so the snapshots that

@@ -1,5 +1,5 @@
 """What each call asks of the backend, bounded. Both backends count the same primitives at
-the same places (csrc/backend.h, Counters), so these host-backend bounds hold for the CUDA
+the same places (csrc/backends/backend.h, Counters), so these host-backend bounds hold for the CUDA
 path too; tests/engine/test_gpu_streams.py checks the CUDA-only ones (pooled events)."""
 
 import pytest
@@ -16,7 +16,7 @@ COUNTERS = ("events_created", "events_recorded", "stream_waits", "copy_calls", "
 @pytest.fixture
 def host_engine(engine_config):
     """The host backend with stores through its D2H stream, as a GPU's stores go: a copy delay sends a
-    store of CPU memory there instead of copying it on the calling thread (csrc/backend.h,
+    store of CPU memory there instead of copying it on the calling thread (csrc/backends/backend.h,
     copies_host_stores_inline), so the counts below are the CUDA path's."""
     engine_config(backend="host", host_copy_delay_us=1)
     return engine_config

@@ -9,7 +9,7 @@
 
 #include "engine.h"
 #include "engine_detail.h"
-#include "shared_region.h"
+#include "region/shared_region.h"
 
 namespace offcache {
 
@@ -253,7 +253,7 @@ Engine::Fetched Engine::fetch(const std::vector<at::Tensor>& stored, c10::Device
       for (size_t k = 0; k < segments.size(); ++k) {
         const Segment& seg = segments[k];
         // Another engine's disk block (configure() since) is read through its mapping.
-        if (seg.block == nullptr || !seg.block->disk() || seg.block->engine != this) continue;
+        if (seg.block == nullptr || !seg.block->disk() || seg.block->owner != this) continue;
         const size_t shift = (reinterpret_cast<uintptr_t>(seg.begin) -
                               reinterpret_cast<uintptr_t>(seg.block->block.ptr)) %
                              kDiskAlign;

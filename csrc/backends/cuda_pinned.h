@@ -18,6 +18,12 @@
 
 namespace offcache {
 
+// cudaHostRegister / cudaHostUnregister of memory that is not a chunk of ours (the weights'
+// shared mappings, csrc/region/) on `device` (-1: the current one) in relaxed capture mode; false
+// and `error` (the call and the driver's reason) on failure, the error cleared.
+bool cuda_register_host(void* ptr, size_t bytes, int device, std::string* error);
+bool cuda_unregister_host(void* ptr, int device, std::string* error) noexcept;
+
 // For its scope, on the calling thread: `device` selected (none if < 0) and the capture mode
 // relaxed, both restored after. A thread whose current device is another (a Python thread on
 // GPU 0 of a rank on cuda:1, a deleter thread) then makes no context there, and a graph capture

@@ -16,7 +16,7 @@
 
 #include "engine.h"
 #include "engine_detail.h"
-#include "shared_region.h"
+#include "region/shared_region.h"
 
 namespace offcache {
 
@@ -37,7 +37,7 @@ void Engine::release(HostBlock* hb) noexcept {
   if (!backend_->in_owner_process()) return;
   bool delete_now = false;
   {
-    std::lock_guard<std::mutex> guard(mu_);
+    std::lock_guard<EngineMutex> guard(mu_);
     if (hb->staging) staging_bytes_ -= hb->block.size;
     try {
       deferred_.push(hb->block, std::move(hb->fences));

@@ -9,8 +9,6 @@
 #include <set>
 #include <utility>
 
-#include "shared_region.h"
-
 namespace offcache {
 namespace {
 
@@ -65,7 +63,7 @@ PinnedCallScope::~PinnedCallScope() {
   // guard_ restores the thread's device last, without making a context for it (c10).
 }
 
-// offcache.weights.node's shared mappings (shared_region.h): registered on `device` in relaxed
+// offcache.weights.node's shared mappings (csrc/region/): registered on `device` in relaxed
 // capture mode, as the arena's chunks are, every return code checked.
 bool cuda_register_host(void* ptr, size_t bytes, int device, std::string* error) {
   cudaError_t err;

@@ -97,12 +97,4 @@ void note_shared_fetch(size_t bytes, bool pinned);
 void fail_register(int after, const std::string& reason);
 void set_register_chunk(size_t chunk);
 
-#ifdef OFFCACHE_WITH_CUDA
-// cuda_pinned.cpp: cudaHostRegister / cudaHostUnregister on `device` (-1: the current one) in
-// relaxed capture mode; false and `error` (the call and the driver's reason) on failure, the
-// error cleared.
-bool cuda_register_host(void* ptr, size_t bytes, int device, std::string* error);
-bool cuda_unregister_host(void* ptr, int device, std::string* error) noexcept;
-#endif
-
 }  // namespace offcache

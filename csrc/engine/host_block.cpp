@@ -4,14 +4,12 @@
 
 #include <algorithm>
 
-#include "engine.h"
-
 namespace offcache {
 namespace {
 
 void delete_host_block(void* ctx) {
   auto* block = static_cast<HostBlock*>(ctx);
-  if (block->refs.fetch_sub(1) == 1) block->engine->release(block);
+  if (block->refs.fetch_sub(1) == 1) block->owner->release(block);
 }
 
 }  // namespace
@@ -24,9 +22,8 @@ void HostBlock::add_fence(const EventPtr& event) {
   // on a broken context, which the engine's next reap raises) keeps every
   // fence, and `event` is added all the same: its copy was issued.
   if (fences.size() >= 4) {
-    Backend& backend = const_cast<Backend&>(engine->backend());
     try {
-      drop_completed(&fences, [&backend](const EventPtr& e) { return backend.query(e); });
+      drop_completed(&fences, [this](const EventPtr& e) { return owner->fence_done(e); });
     } catch (const std::exception&) {  // NOLINT(bugprone-empty-catch): all kept, as above
     }
   }

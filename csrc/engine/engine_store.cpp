@@ -229,7 +229,12 @@ std::vector<at::Tensor> Engine::store_to_host(const std::vector<at::Tensor>& val
     for (auto& group : groups) {
       const Item& last = group.back();
       const size_t total = last.offset + last.dense.nbytes();
-      HostBlock* hb = allocate_host(total, allow_spill);
+      // A copy stream writes the block unless this thread does (a CPU source stored inline):
+      // then it may be a dropped value's block still in flight, written behind its copies.
+      const bool stream_written = !(device.is_cpu() && backend_->copies_host_stores_inline());
+      std::vector<EventPtr> write_after;
+      HostBlock* hb = allocate_host(total, allow_spill, /*staging=*/false,
+                                    stream_written ? &write_after : nullptr);
       if (hb == nullptr) {  // arena full and spilling not allowed: keep as is
         for (const Item& it : group) out[it.index] = values[it.index];
         continue;
@@ -344,10 +349,11 @@ std::vector<at::Tensor> Engine::store_to_host(const std::vector<at::Tensor>& val
           ops.push_back(CopyOp{dst_base + it.offset, it.dense.data_ptr(), it.dense.nbytes()});
         }
       }
-      // Producer stream -> event -> D2H copy stream.
+      // Producer stream -> event -> D2H copy stream, behind the copies still touching a
+      // reused block (on this stream they are already ahead of it).
       CopyStream& stream = backend_->copy_stream(Dir::kStore, device);
-      EventPtr done = issue(Dir::kStore, stream, {backend_->record_current(device)}, ops,
-                            hold(std::move(keepalive)));
+      write_after.push_back(backend_->record_current(device));
+      EventPtr done = issue(Dir::kStore, stream, write_after, ops, hold(std::move(keepalive)));
       // A device's copy into pageable memory (a spilled block, a pageable bounce
       // buffer) returns only once it is done: the caller waited for it.
       const bool dst_pinned =

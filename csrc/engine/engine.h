@@ -23,7 +23,7 @@
 #include <utility>
 #include <vector>
 
-#include "backend.h"
+#include "backends/backend.h"
 #include "core/arena.h"
 #include "core/deferred_free.h"
 #include "core/disk_file.h"
@@ -32,6 +32,7 @@
 #include "core/lifetime.h"
 #include "core/page_source.h"
 #include "dedup.h"
+#include "engine_mutex.h"
 #include "host_block.h"
 
 namespace offcache {
@@ -50,6 +51,10 @@ struct EngineStats {
   uint64_t chunks_made = 0, chunks_released = 0;  // chunk registrations (CUDA), mmaps (host)
   uint64_t chunks_kept_registered = 0;  // released chunks whose unregister failed: kept mapped
   size_t dedup_hits = 0, spills = 0, stores = 0, fetches = 0;
+  // Stores whose copy took a dropped value's block while the copies touching it were still
+  // in flight, ordered after them on the copy stream, instead of a new block (or chunk).
+  size_t blocks_reused_in_order = 0;
+  size_t staging_reserved_bytes = 0;  // the host backend's snapshot staging (its device memory)
   // Memory the fetches allocated for their outputs (one per value of 1 MiB and more, one per
   // packed span of smaller values, whose outputs share it), and the outputs handed to the
   // consumer's stream (on CUDA each is one recordStream on that memory): per span, not per value.
@@ -110,7 +115,7 @@ inline HeldTensors hold(Tensors until_done, Tensors until_queued = {}) {
   return std::make_shared<Held<Tensors>>(std::move(until_done), std::move(until_queued));
 }
 
-class Engine {
+class Engine final : public BlockOwner {
  public:
   Engine(std::unique_ptr<Backend> backend, ArenaOptions arena, size_t max_in_flight,
          DiskOptions disk = {});
@@ -194,7 +199,8 @@ class Engine {
   bool is_arena_tensor(const at::Tensor& t) const;
 
   // DataPtr deleter path; may run on any thread; never throws.
-  void release(HostBlock* block) noexcept;
+  void release(HostBlock* block) noexcept override;
+  bool fence_done(const EventPtr& event) override { return backend_->query(event); }
   // Blocks and calls that keep a retired engine alive (core/lifetime.h).
   Lifetime& lifetime() { return lifetime_; }
   // A call is using the engine (EngineUse): a retired engine is not deleted
@@ -213,9 +219,10 @@ class Engine {
   }
 
  private:
-  using Retire = Retiring<Tensors>;  // mu_ and what is retired under it, destroyed after it
+  using Retire =
+      Retiring<Tensors, EngineMutex>;  // mu_ and what is retired under it, destroyed after it
 
-  std::unique_lock<std::mutex> lock();  // mu_, with contention counted
+  std::unique_lock<EngineMutex> lock();  // mu_, with contention counted
   Retire retiring() { return Retire(lock()); }
   // Raises the first error a copy-stream or I/O task threw (sticky).
   void check_streams();
@@ -245,9 +252,15 @@ class Engine {
   // copies whose completion frees host memory, then goes to disk (a disk tier),
   // raises HostLimitError, or returns nullptr (staging, or allow_spill=false).
   // staging: a snapshot's transient buffer, whose spill is not a value's.
-  HostBlock* allocate_host(size_t bytes, bool allow_spill, bool staging = false);
+  // write_after, for a block that only a copy stream writes (a GPU store), which
+  // orders that copy after the events it receives here: instead of a new chunk
+  // the block may be a dropped value's whose copies are still in flight, and
+  // *write_after gets their fences (empty otherwise).
+  HostBlock* allocate_host(size_t bytes, bool allow_spill, bool staging = false,
+                           std::vector<EventPtr>* write_after = nullptr);
   // allocate_host's memory block; *retry when another thread took the room meanwhile.
-  HostBlock* allocate_in_memory(size_t bytes, bool allow_spill, bool staging, bool* retry);
+  HostBlock* allocate_in_memory(size_t bytes, bool allow_spill, bool staging, bool* retry,
+                                std::vector<EventPtr>* write_after);
   // Host memory held against the host limit: arena blocks in use and pageable ones (needs mu_).
   size_t host_held_locked() const;
   // The most a host block of `bytes` takes (arena- or page-rounded).
@@ -304,7 +317,8 @@ class Engine {
   // release takes it) nor while anything may wait for the GIL: a release takes
   // it on a thread that may hold the GIL. So under it no tensor that Python
   // may own changes its reference count (docs/design.md, "Locks and the GIL").
-  std::mutex mu_;
+  EngineMutex mu_;
+  ReleaseUnlocked chunks_;  // backend_->chunks(), released once mu_ is free
   PageSource pageable_;
   Arena arena_;
   DeferredFrees deferred_;
@@ -344,7 +358,8 @@ class Engine {
   DiskOptions disk_options_;
   std::unique_ptr<DiskSource> disk_;
   std::unique_ptr<Arena> disk_arena_;
-  std::unique_ptr<Arena> bounce_arena_;  // the disk tier's I/O buffers, outside the pinned budget
+  std::unique_ptr<Arena> bounce_arena_;   // the disk tier's I/O buffers, outside the pinned budget
+  std::unique_ptr<Arena> staging_arena_;  // host snapshots' staging (from pageable_)
   bool disk_warned_ = false;
   // Pageable disk I/O buffers kept for reuse, up to kBouncePoolBytes (few: a linear search).
   std::vector<Block> bounce_pool_;

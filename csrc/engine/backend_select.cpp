@@ -8,7 +8,7 @@
 #include <mutex>
 #include <thread>
 
-#include "backend_host.h"
+#include "backends/backend_host.h"
 #include "engine.h"
 
 namespace offcache {

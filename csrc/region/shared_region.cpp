@@ -13,7 +13,10 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "backend.h"
+#include "backends/backend.h"
+#ifdef OFFCACHE_WITH_CUDA
+#include "backends/cuda_pinned.h"
+#endif
 
 namespace offcache {
 namespace {

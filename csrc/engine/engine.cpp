@@ -8,7 +8,7 @@
 #include <cstdlib>
 
 #include "engine_detail.h"
-#include "shared_region.h"
+#include "region/shared_region.h"
 
 namespace offcache {
 
@@ -17,7 +17,8 @@ using namespace detail;  // NOLINT(build/namespaces): the engine's own helpers
 Engine::Engine(std::unique_ptr<Backend> backend, ArenaOptions arena, size_t max_in_flight,
                DiskOptions disk)
     : backend_(std::move(backend)),
-      arena_(backend_->chunks(), arena),
+      chunks_(backend_->chunks(), mu_),
+      arena_(chunks_, arena),
       span_tally_(std::make_shared<SpanTally>()),
       max_in_flight_(max_in_flight),
       pinned_budget_(arena.limit),
@@ -38,7 +39,13 @@ Engine::Engine(std::unique_ptr<Backend> backend, ArenaOptions arena, size_t max_
   // Its chunks stay until empty_cache(): each costs a registration to make and give back,
   // and the disk tier cycles through them on every store and fetch.
   bounce.keep_empty_chunks = true;
-  bounce_arena_ = std::make_unique<Arena>(backend_->chunks(), bounce);
+  bounce_arena_ = std::make_unique<Arena>(chunks_, bounce);
+  // Host snapshots' staging: plain pre-faulted memory beside the pinned arena, as a GPU
+  // snapshot's staging is device memory beside it. Counted against the host limit.
+  ArenaOptions staging;
+  staging.min_chunk = arena.min_chunk;
+  staging.max_chunk = arena.max_chunk;
+  staging_arena_ = std::make_unique<Arena>(pageable_, staging);
 }
 
 Engine::~Engine() {
@@ -65,10 +72,11 @@ Engine::~Engine() {
     if (idle) free_block(*file_ring_);
   }
   for (const Block& b : bounce_pool_) pageable_.release(b.ptr, b.size);
+  chunks_.release_now();  // the arenas' destructors give back their chunks unlocked
 }
 
-std::unique_lock<std::mutex> Engine::lock() {
-  std::unique_lock<std::mutex> l(mu_, std::try_to_lock);
+std::unique_lock<EngineMutex> Engine::lock() {
+  std::unique_lock<EngineMutex> l(mu_, std::try_to_lock);
   if (l.owns_lock()) return l;
   const auto t0 = std::chrono::steady_clock::now();
   l.lock();
@@ -99,33 +107,7 @@ void Engine::resolve_once(c10::Device d, std::vector<c10::Device>* seen) {
 
 bool Engine::is_arena_tensor(const at::Tensor& t) const {
   HostBlock* hb = host_block_of(t);
-  return hb != nullptr && hb->engine == this && hb->pinned();
-}
-
-void Engine::free_block(const Block& block) {
-  if (block.chunk == kPageableChunk) {
-    pageable_.release(block.ptr, block.size);
-    stats_.pageable_bytes -= block.size;
-  } else if (block.chunk == kBounceChunk) {
-    if (bounce_pool_bytes_ + block.size <= kBouncePoolBytes) {
-      bounce_pool_.push_back(block);
-      bounce_pool_bytes_ += block.size;
-    } else {
-      pageable_.release(block.ptr, block.size);
-    }
-  } else if (block.chunk == kRingChunk) {
-    backend_->chunks().release(block.ptr, block.size);
-  } else if (from_bounce_arena(block)) {
-    Block b = block;
-    b.chunk &= ~kBounceArenaBit;
-    bounce_arena_->free(b);
-  } else if (on_disk(block)) {
-    Block b = block;
-    b.chunk &= ~kDiskChunkBit;
-    disk_arena_->free(b);
-  } else {
-    arena_.free(block);
-  }
+  return hb != nullptr && hb->owner == this && hb->pinned();
 }
 
 void Engine::leave() noexcept {
@@ -134,171 +116,6 @@ void Engine::leave() noexcept {
     delete_retired(this);
   } catch (...) {  // no thread to be had: the engine stays (a leak, not a crash)
   }
-}
-
-size_t Engine::host_held_locked() const {
-  // Every byte of host memory that holds values, snapshot staging and blocks
-  // waiting on their copies included (the disk tier's I/O buffers are bounded apart).
-  return arena_.in_use_bytes() + stats_.pageable_bytes;
-}
-
-size_t Engine::host_need(size_t bytes) const {
-  // What a block of `bytes` may take: an arena block or a page-rounded pageable one.
-  return std::max(arena_.round_up(bytes), align_up(std::max<size_t>(bytes, 1), 4096));
-}
-
-bool Engine::wait_for_host_room(size_t bytes, size_t* held) {
-  const size_t limit = disk_options_.host_limit;
-  const auto fits = [&] {
-    *held = host_held_locked();
-    return *held + bytes >= *held && *held + bytes <= limit;
-  };
-  {
-    auto l = lock();
-    reclaim_locked();
-    if (fits()) return true;
-  }
-  for (;;) {
-    {
-      Retire r = retiring();
-      reap_locked(r);
-    }  // the staging of copies seen complete dies here, unlocked, and is freed
-    EventPtr oldest;
-    {
-      auto l = lock();
-      reclaim_locked();
-      if (fits()) return true;
-      // Memory that copies in flight free when they complete: a snapshot's
-      // staging (only stores use it: the oldest store first), then blocks
-      // waiting on their copies.
-      if (staging_bytes_ > 0) oldest = in_flight_.oldest(static_cast<int>(Dir::kStore));
-      if (!oldest && deferred_.bytes_where([](const Block& b) {
-            return b.chunk == kPageableChunk ||
-                   (b.chunk < kRingChunk && !on_disk(b) && !from_bounce_arena(b));
-          }) > 0) {
-        oldest = deferred_.oldest_fence();
-      }
-      if (!oldest) return false;  // nothing pending can make room
-    }
-    backend_->sync(oldest);
-  }
-}
-
-HostBlock* Engine::allocate_host(size_t bytes, bool allow_spill, bool staging) {
-  // The host limit holds for every block of host memory, a snapshot's staging
-  // included: past it, a store first waits for the copies whose completion
-  // frees memory; then a value goes to disk (with a disk tier) or raises
-  // HostLimitError, and staging is skipped (nullptr: the copy reads the source).
-  const size_t need = host_need(bytes);
-  for (;;) {
-    if (disk_ && allow_spill && !staging) {  // a snapshot's staging never goes to disk
-      // Placement: first come stays in memory. Past the host limit, new values
-      // go to disk; nothing moves between tiers later.
-      if (std::optional<Block> b = allocate_disk(bytes)) {
-        auto hb = std::make_unique<HostBlock>();
-        hb->engine = this;
-        hb->block = *b;
-        auto l = lock();
-        lifetime_.add_block();
-        note_peaks_locked();
-        return hb.release();
-      }
-    } else {
-      size_t held = 0;
-      if (!wait_for_host_room(need, &held)) {
-        if (staging || !allow_spill) return nullptr;
-        // No disk tier: the host limit still holds (a run is refused, not killed).
-        throw HostLimitError(
-            "offcache: storing " + std::to_string(bytes) +
-            " more bytes would take host memory past the host limit of " +
-            std::to_string(disk_options_.host_limit) + " bytes (" + std::to_string(held) +
-            " in use, pinned + pageable); values stored earlier are intact. Raise "
-            "OFFCACHE_HOST_LIMIT, or set OFFCACHE_DISK_DIR to a folder on local disk for the "
-            "values past it");
-      }
-    }
-    bool retry = false;
-    HostBlock* hb = allocate_in_memory(bytes, allow_spill, staging, &retry);
-    if (!retry) return hb;
-  }
-}
-
-HostBlock* Engine::allocate_in_memory(size_t bytes, bool allow_spill, bool staging, bool* retry) {
-  std::string why;
-  std::optional<Block> block;
-  for (;;) {
-    EventPtr oldest;
-    size_t chunk = 0;
-    {
-      auto l = lock();
-      reclaim_locked();
-      block = arena_.allocate_existing(bytes);
-      if (block) break;
-      // Within the budget the arena grows: the host never waits for a copy
-      // while it could run ahead. Past it, memory waiting on copies counts as
-      // available when it could hold the request: wait (unlocked) for the
-      // oldest pending block's copies, then try again.
-      chunk = arena_.begin_chunk(bytes, &why);
-      const auto in_arena = [](const Block& b) {
-        return b.chunk < kRingChunk && !on_disk(b) && !from_bounce_arena(b);
-      };
-      if (chunk == 0 && deferred_.bytes_where(in_arena) >= arena_.round_up(bytes)) {
-        oldest = deferred_.oldest_fence();
-      }
-    }
-    if (oldest) {
-      backend_->sync(oldest);
-      continue;
-    }
-    if (chunk == 0) break;  // over budget
-    // A new chunk: mmap, pre-fault and (CUDA) cudaHostRegister, without the
-    // lock, so threads freeing tensors meanwhile do not wait on it.
-    const auto t0 = std::chrono::steady_clock::now();
-    void* base = backend_->chunks().allocate(chunk, &why);
-    const double seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    auto l = lock();
-    arena_.finish_chunk(base, chunk);
-    if (base != nullptr) {
-      stats_.chunk_seconds += seconds;
-      stats_.chunk_bytes += chunk;
-    }
-    block = arena_.allocate_existing(bytes);
-    if (block || base == nullptr) break;
-  }
-  auto hb = std::make_unique<HostBlock>();
-  hb->engine = this;
-  auto l = lock();
-  const size_t size = align_up(std::max<size_t>(bytes, 1), 4096);  // a pageable block's
-  // The room seen before the lock was dropped may have gone to another thread meanwhile:
-  // checked again here, where the block is committed.
-  const size_t held = host_held_locked() + (block ? 0 : size);
-  if (held > disk_options_.host_limit && (block || allow_spill)) {
-    if (block) arena_.free(*block);
-    *retry = true;
-    return nullptr;
-  }
-  if (block) {
-    hb->block = *block;
-  } else {
-    if (!allow_spill) return nullptr;
-    // Past the budget, or the OS refused to pin: spill to pageable memory.
-    void* p = pageable_.allocate(size, &why);
-    TORCH_CHECK(p != nullptr, "offcache: out of host memory for ", bytes, " bytes: ", why);
-    hb->block = Block{p, size, kPageableChunk, 0};
-    stats_.pageable_bytes += size;
-    if (!staging) ++stats_.spills;
-    if (!spill_warned_ && !staging) {
-      spill_warned_ = true;
-      spill_notice_ = "offcache: pinned arena unavailable (" + why +
-                      "); spilling to pageable host memory, copies will be slower";
-    }
-  }
-  hb->staging = staging;
-  if (staging) staging_bytes_ += hb->block.size;
-  lifetime_.add_block();
-  note_peaks_locked();
-  return hb.release();
 }
 
 std::string Engine::take_spill_notice() {
@@ -501,6 +318,7 @@ size_t Engine::empty_cache() {
   // The disk tier's empty files and pooled I/O buffers go too (not counted: not pinned).
   if (disk_arena_) disk_arena_->release_empty_chunks();
   bounce_arena_->release_empty_chunks();
+  staging_arena_->release_empty_chunks();
   for (const Block& b : bounce_pool_) pageable_.release(b.ptr, b.size);
   bounce_pool_.clear();
   bounce_pool_bytes_ = 0;
@@ -544,6 +362,7 @@ EngineStats Engine::stats() {
     s.disk_files = disk_->files();
   }
   s.bounce_reserved_bytes = bounce_arena_->reserved_bytes();
+  s.staging_reserved_bytes = staging_arena_->reserved_bytes();
   if (file_ring_ && file_ring_->chunk == kRingChunk) s.bounce_reserved_bytes += file_ring_->size;
   s.disk_write_bytes = disk_write_bytes_.load();
   s.disk_read_bytes = disk_read_bytes_.load();
