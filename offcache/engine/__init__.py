@@ -32,7 +32,6 @@ from offcache.engine.config import (
 from offcache.engine.disk_dir import make_disk_dir
 from offcache.engine.loader import _C, BUILD_RECORD, torch_mismatch  # noqa: F401  (_C: private, as above)
 from offcache.engine.ops import (
-    WEIGHT_COUNTERS,
     CapacityWarning,
     HostLimitError,
     SpillWarning,
@@ -42,6 +41,7 @@ from offcache.engine.ops import (
     _fail_query_after,  # noqa: F401  (private: tests reach it through the package)
     _fail_register,  # noqa: F401  (private: tests reach it through the package)
     _set_register_chunk,  # noqa: F401  (private: tests reach it through the package)
+    add_counters,
     backend_name,
     build_info,
     copy_into,
@@ -69,9 +69,9 @@ from offcache.engine.ops import (
 )
 
 __all__ = [
+    "add_counters",
     "BUILD_RECORD",
     "DEFAULTS",
-    "WEIGHT_COUNTERS",
     "CapacityWarning",
     "HostLimitError",
     "SpillWarning",

@@ -29,22 +29,15 @@ class CapacityWarning(UserWarning):
 HostLimitError: type[MemoryError] = _C.HostLimitError
 
 
-# Model weights (offcache.weights.compressed_tensors counts them; process-wide, never reset).
-WEIGHT_COUNTERS: dict[str, int | float] = {
-    "weight_onload_bytes": 0,  # onloads of offloaded weights, served by a fetch or a prefetch
-    "weight_prefetch_bytes": 0,  # fetched ahead of use
-    "weight_writeback_bytes": 0,  # update_offload copies into the arena
-    "weight_prefetch_hits": 0,  # onloads served by a prefetched copy
-    "weight_prefetch_misses": 0,  # onloads that fetched (with prefetch on)
-    "weight_prefetch_skips": 0,  # prefetches not issued: no device memory, or the fetch failed
-    "weight_prefetch_stale": 0,  # prefetched copies not served: another rank wrote the weight since
-    "weight_host_waits": 0,  # times the host blocked on a weight copy
-    "weight_stream_waits": 0,  # onloads to a GPU whose copy was still in flight: its stream waited
-    "weight_host_wait_seconds": 0.0,
-    "weight_page_cache_bytes": 0,  # checkpoint bytes read through the page cache first (weights/node_warm.py)
-    "weight_sliced_prefetches": 0,  # sliced prefetches gathered (weights/node_sliced.py)
-    "weight_sliced_fetch_bytes": 0,  # of them, the bytes this rank fetched from the node region (its slices)
-}
+# Counters kept above the engine (offcache.weights' weight_* keys), merged into stats(): the
+# engine cannot import the concerns that count them, so they hand it their dicts (add_counters).
+_COUNTERS: list[dict[str, int | float]] = []
+
+
+def add_counters(counters: dict[str, int | float]) -> None:
+    """Merge `counters` (a dict its owner keeps updating) into every later ``stats()``."""
+    if not any(c is counters for c in _COUNTERS):
+        _COUNTERS.append(counters)
 
 
 def stats() -> dict:
@@ -54,7 +47,7 @@ def stats() -> dict:
     disk_write_bytes / disk_read_bytes and disk_write_seconds / disk_read_seconds (I/O thread
     time), disk_fallbacks (direct I/O refused: buffered I/O instead), host_limit_bytes (with or
     without a disk tier). Model weights (``patch_llmcompressor(weights=True)``): the ``weight_*``
-    keys of WEIGHT_COUNTERS.
+    keys (offcache/weights/bookkeeping.py's counters, handed in with ``add_counters``).
 
     Shared mappings (``offcache.weights.node``'s region; process-wide, every engine's):
     shared_mapped_bytes (this process's live mappings of it), shared_registered_bytes (of them,
@@ -67,7 +60,10 @@ def stats() -> dict:
     (fetches reading a mapping) and shared_pinned_fetch_bytes (of them, from registered ones),
     shared_deferred_unmaps (dead mappings waiting for their copies).
     """
-    return {**_C.stats(), **WEIGHT_COUNTERS}
+    out = _C.stats()
+    for counters in _COUNTERS:
+        out.update(counters)
+    return out
 
 
 def synchronize() -> None:

@@ -72,21 +72,9 @@ from loguru import logger  # llm-compressor's and compressed-tensors' logger: it
 
 from offcache import engine as _engine  # noqa: F401  (tests patch the engine through this module)
 from offcache.weights import node_sliced
-from offcache.weights.bookkeeping import (
-    _flush_all,
-    _Prefetched,
-    _state,
-    _Subgraph,
-    subgraph_stats,
-)
-from offcache.weights.caches import (
-    COUNTERS,
-    EngineCache,
-    OffcacheCPUCache,
-    OffcacheDiskCache,
-    _onload_device,
-    prefetch_depth,
-)
+from offcache.weights.bookkeeping import WEIGHTS, Prefetched, Subgraph, WeightState, onload_device, prefetch_depth
+from offcache.weights.caches import OffcacheCPUCache, OffcacheDiskCache
+from offcache.weights.interface import WeightCache
 
 __all__ = [
     "OffcacheCPUCache",
@@ -117,12 +105,12 @@ def _device_free_bytes(device: torch.device) -> int | None:
 # --- prefetch ----------------------------------------------------------------------------------
 
 
-def _offloaded_of(modules) -> list[tuple[Any, Tensor]]:
+def _offloaded_of(modules) -> list[tuple[WeightCache, Tensor]]:
     seen: set[int] = set()
     out = []
     for module in modules:
         for cache in (module._parameters, module._buffers):
-            if not isinstance(cache, EngineCache):
+            if not isinstance(cache, WeightCache):
                 continue
             for offloaded in cache.offloaded_values.values():
                 if offloaded is not None and id(offloaded) not in seen:
@@ -131,8 +119,9 @@ def _offloaded_of(modules) -> list[tuple[Any, Tensor]]:
     return out
 
 
-def prefetch(modules, target: int) -> int:
-    """Fetch the offloaded weights of `modules` ahead, for subgraph `target`; returns bytes issued.
+def prefetch(modules, target: int, state: WeightState = WEIGHTS) -> int:
+    """Fetch the offloaded weights of `modules` ahead, for subgraph `target`, into `state`'s table;
+    returns bytes issued.
 
     A tensor already prefetched is not fetched again (but in the node region's sliced mode, whose
     plan must not depend on what each rank holds: a write by one rank drops its copy only).
@@ -142,13 +131,13 @@ def prefetch(modules, target: int) -> int:
     groups: dict[tuple[torch.device, type], list[tuple[Any, Tensor]]] = {}
     sliced_mode = node_sliced.active()
     for cache, offloaded in _offloaded_of(modules):
-        if id(offloaded) in _state.prefetched and not (sliced_mode and getattr(cache, "_sliced_onload", False)):
+        if id(offloaded) in state.prefetched and not (sliced_mode and getattr(cache, "_sliced_onload", False)):
             continue
-        device = _onload_device(cache)
+        device = onload_device(cache)
         # A weight this subgraph holds onloaded too (tied, shared) is fetched again, not aliased:
         # this subgraph may edit its onloaded copy in place (AWQ's grid search does, through
         # .data, which no version counter sees), and such edits die with its context.
-        if not cache._prefetchable(offloaded, device):
+        if not cache.prefetchable(offloaded, device):
             continue  # e.g. a fetch would hand back the tensor itself: nothing to do ahead
         groups.setdefault((device, type(cache)), []).append((cache, offloaded))
     issued = 0
@@ -158,7 +147,7 @@ def prefetch(modules, target: int) -> int:
         sliced = [key for key in groups if getattr(key[1], "_sliced_onload", False)]
         for device in dict.fromkeys(key[0] for key in sliced) or [None]:
             items = [item for key in sliced if key[0] == device for item in groups[key]]
-            done, rest = node_sliced.prefetch(items, device, target, _device_free_bytes)
+            done, rest = node_sliced.prefetch(items, device, target, _device_free_bytes, state)
             issued += done
             for key in sliced:
                 if key[0] == device:
@@ -169,37 +158,37 @@ def prefetch(modules, target: int) -> int:
         nbytes = sum(offloaded.nbytes for _, offloaded in items)
         free = _device_free_bytes(device)
         if free is not None and nbytes > free:
-            COUNTERS["weight_prefetch_skips"] += 1
+            state.counters["weight_prefetch_skips"] += 1
             logger.info(f"offcache weights: no room for a {nbytes}-byte prefetch on {device}, skipped")
             continue
-        tags = [cache._tag(offloaded) for cache, offloaded in items]  # before the copies are issued
+        tags = [cache.tag(offloaded) for cache, offloaded in items]  # before the copies are issued
         try:
-            fetched = items[0][0]._fetch([offloaded for _, offloaded in items], device)
+            fetched = items[0][0].fetch([offloaded for _, offloaded in items], device)
         except Exception as exc:  # noqa: BLE001  (an OOM, an unreadable file: the onload will say why)
-            COUNTERS["weight_prefetch_skips"] += 1
+            state.counters["weight_prefetch_skips"] += 1
             logger.info(f"offcache weights: prefetch of {nbytes} bytes on {device} skipped: {exc}")
             continue
         for (cache, offloaded), (onloaded, ticket), tag in zip(items, fetched, tags):
-            # Not finished yet: _finish may read the copy (a dtype cast), which is still in flight.
-            _state.prefetched[id(offloaded)] = _Prefetched(
+            # Not finished yet: finish() may read the copy (a dtype cast), which is still in flight.
+            state.prefetched[id(offloaded)] = Prefetched(
                 offloaded, cache, onloaded, ticket, device, offloaded._version, target, offloaded.nbytes, tag
             )
-        COUNTERS["weight_prefetch_bytes"] += nbytes
+        state.counters["weight_prefetch_bytes"] += nbytes
         issued += nbytes
     return issued
 
 
-def _wrap_subgraphs(subgraphs: list) -> list:
+def _wrap_subgraphs(subgraphs: list, state: WeightState = WEIGHTS) -> list:
     """Give each subgraph a forward that prefetches the next subgraphs' weights after its first call."""
     depth = prefetch_depth()
-    _state.prefetched.clear()  # a new pipeline run: nothing ahead belongs to it
+    state.prefetched.clear()  # a new pipeline run: nothing ahead belongs to it
     issued_upto = [0]  # subgraphs [0, issued_upto) have been prefetched (or run)
 
     for index, subgraph in enumerate(subgraphs):
         forward = subgraph.forward
 
         def prefetching_forward(model, *args, _index=index, _forward=forward, **kwargs):
-            current = _state.current
+            current = state.current
             first = current is not None and current.index != _index
             if current is not None:
                 current.index = _index
@@ -208,7 +197,7 @@ def _wrap_subgraphs(subgraphs: list) -> list:
                 # This subgraph's weights are onloaded now: queue the next ones behind them.
                 start = max(issued_upto[0], _index + 1)
                 for ahead in range(start, min(len(subgraphs), _index + 1 + depth)):
-                    prefetch(subgraphs[ahead].submodules(model), target=ahead)
+                    prefetch(subgraphs[ahead].submodules(model), target=ahead, state=state)
                     issued_upto[0] = ahead + 1
             return out
 
@@ -235,12 +224,12 @@ def _cls_from_device(cls, device=None):
 
 
 @contextlib.contextmanager
-def _disable_offloading(cls):
+def _disable_offloading(cls, state: WeightState = WEIGHTS):
     if OffloadCache.offloading_disabled:  # nested: the outermost context owns the bookkeeping
         with _originals[(OffloadCache, "disable_offloading")].__func__(cls):
             yield
         return
-    _state.current = record = _Subgraph()
+    state.current = record = Subgraph()
     failed = False
     try:
         with _originals[(OffloadCache, "disable_offloading")].__func__(cls):
@@ -249,16 +238,16 @@ def _disable_offloading(cls):
         failed = True
         raise
     finally:
-        _flush_all()  # its waits count for this context
-        _state.current = None
+        state.flush_all()  # its waits count for this context
+        state.current = None
         if failed:
-            _state.prefetched.clear()
+            state.prefetched.clear()
         elif record.index is not None:
-            for key, entry in list(_state.prefetched.items()):
+            for key, entry in list(state.prefetched.items()):
                 if entry.target <= record.index:
-                    del _state.prefetched[key]
+                    del state.prefetched[key]
         if record.onloaded_bytes or record.written_back_bytes:
-            _state.history.append(record)
+            state.history.append(record)
             if record.index is not None:
                 logger.info(record.line())
 
@@ -269,7 +258,7 @@ def _trace_subgraphs(*args, **kwargs):
 
 def patch() -> None:
     """Route compressed-tensors' CPU and disk weight offloading (distributed or not) through offcache. Idempotent."""
-    if _state.patched:
+    if WEIGHTS.patched:
         return
     from offcache.weights import drift as ct_drift
 
@@ -282,8 +271,8 @@ def patch() -> None:
     OffloadCache.cls_from_device = classmethod(_cls_from_device)
     OffloadCache.disable_offloading = classmethod(_disable_offloading)
     pipeline.trace_subgraphs = _trace_subgraphs
-    _state.history.clear()
-    _state.patched = True
+    WEIGHTS.history.clear()
+    WEIGHTS.patched = True
 
 
 def unpatch() -> None:
@@ -291,16 +280,21 @@ def unpatch() -> None:
 
     Modules offloaded while patched keep their offcache caches (they work unpatched too).
     """
-    if not _state.patched:
+    if not WEIGHTS.patched:
         return
     OffloadCache.cls_from_device = _originals.pop((OffloadCache, "cls_from_device"))
     OffloadCache.disable_offloading = _originals.pop((OffloadCache, "disable_offloading"))
     pipeline = sys.modules["llmcompressor.pipelines.sequential.pipeline"]
     pipeline.trace_subgraphs = _originals.pop(("pipeline", "trace_subgraphs"))
-    _flush_all()
-    _state.prefetched.clear()
-    _state.patched = False
+    WEIGHTS.flush_all()
+    WEIGHTS.prefetched.clear()
+    WEIGHTS.patched = False
 
 
 def is_patched() -> bool:
-    return _state.patched
+    return WEIGHTS.patched
+
+
+def subgraph_stats() -> list[dict]:
+    """Per outermost ``disable_offloading()`` context since ``patch()``: bytes, hits, misses, waits."""
+    return WEIGHTS.subgraph_stats()

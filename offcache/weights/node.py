@@ -102,8 +102,8 @@ except ModuleNotFoundError as _missing:  # one line naming the extra
 from offcache import engine as _engine  # noqa: E402
 from offcache.weights import node_sliced  # noqa: E402
 from offcache.weights.batch_offload import _BatchOffload  # noqa: E402
-from offcache.weights.bookkeeping import _drop_prefetched  # noqa: E402
-from offcache.weights.caches import COUNTERS, EngineCache, _fetch_host, _like, _onload, prefetch_depth  # noqa: E402
+from offcache.weights.bookkeeping import prefetch_depth  # noqa: E402
+from offcache.weights.caches import EngineCache, fetch_host, with_class_of  # noqa: E402
 from offcache.weights.node_region import (  # noqa: E402
     _ALIGN,
     _WORD,
@@ -277,29 +277,29 @@ class NodeSharedCPUCache(_BatchOffload, EngineCache, DistributedCPUCache):
         instance.offloaded_values = instance._offload_mapping(dict(mapping))
         return instance
 
-    # -- onload: an engine fetch from the region (offcache.weights.caches' onload) --
+    # -- onload: an engine fetch from the region (WeightState.onload) --
     def onload(self, offloaded: torch.Tensor | None) -> torch.Tensor | None:
         """A copy of `offloaded` on the onload device: the prefetched one while its generation is
         unchanged, else an engine fetch from the region (pinned where registered)."""
-        return _onload(self, offloaded)
+        return self.state.onload(self, offloaded)
 
-    def _fetch(self, offloaded: list[torch.Tensor], device: torch.device) -> list[tuple[torch.Tensor, Any]]:
-        return _fetch_host(offloaded, device)
+    def fetch(self, offloaded: list[torch.Tensor], device: torch.device) -> list[tuple[torch.Tensor, Any]]:
+        return fetch_host(offloaded, device)
 
-    def _finish(self, fetched: torch.Tensor, offloaded: torch.Tensor) -> torch.Tensor:
-        out = _like(fetched, offloaded, onloaded=True)
+    def finish(self, fetched: torch.Tensor, offloaded: torch.Tensor) -> torch.Tensor:
+        out = with_class_of(fetched, offloaded, onloaded=True)
         if _onload_is_cpu(self) and offloaded.requires_grad:
             out.requires_grad_(True)  # compressed-tensors hands out the offloaded tensor itself there
         return out
 
-    def _prefetchable(self, offloaded: torch.Tensor, device: torch.device) -> bool:
+    def prefetchable(self, offloaded: torch.Tensor, device: torch.device) -> bool:
         # A local tensor (assigned under disable_onloading) onloaded to the CPU: a fetch is a clone.
         return device.type != "cpu" or _engine.is_shared_tensor(offloaded)
 
     def _word(self, offloaded: torch.Tensor) -> torch.Tensor | None:
         return self._region.word(offloaded) if self._region is not None else None
 
-    def _tag(self, offloaded: torch.Tensor) -> int | None:
+    def tag(self, offloaded: torch.Tensor) -> int | None:
         """The generation before a prefetch is issued (-1: a rank is writing it: never fresh)."""
         word = self._word(offloaded)
         if word is None:
@@ -307,7 +307,7 @@ class NodeSharedCPUCache(_BatchOffload, EngineCache, DistributedCPUCache):
         generation = _engine.shared_word_add(word, 0)
         return generation if generation % 2 == 0 else -1
 
-    def _fresh(self, offloaded: torch.Tensor, tag: int | None) -> bool:
+    def is_fresh(self, offloaded: torch.Tensor, tag: int | None) -> bool:
         """Whether no rank wrote `offloaded` since the prefetch was issued (its copy has landed)."""
         if tag is None:
             return True
@@ -331,7 +331,7 @@ class NodeSharedCPUCache(_BatchOffload, EngineCache, DistributedCPUCache):
         them, between two steps of the tensor's generation (odd while writing)."""
         if data is None:
             return
-        _drop_prefetched(offloaded)
+        self.state.drop_prefetched(offloaded)
         word = self._word(offloaded)
         if word is None:  # not in the region (a local tensor): compressed-tensors' update
             return super().update_offload(offloaded, data)
@@ -507,5 +507,5 @@ def stats() -> dict:
         "registered_bytes": engine["shared_registered_bytes"],
         "pinned_share_bytes": engine["shared_pinned_share_bytes"],
         "unpinned": list(region.unpinned),
-        "stale_prefetches": COUNTERS["weight_prefetch_stale"],
+        "stale_prefetches": NodeSharedCPUCache.state.counters["weight_prefetch_stale"],
     }

@@ -64,8 +64,7 @@ except ImportError:  # compressed-tensors 0.19: no handles held
     _evict = None
 
 from offcache.weights.batch_offload import _BatchOffload  # noqa: E402
-from offcache.weights.bookkeeping import _drop_prefetched, _state  # noqa: E402
-from offcache.weights.caches import COUNTERS, OffcacheDiskCache, _onload  # noqa: E402
+from offcache.weights.caches import OffcacheDiskCache  # noqa: E402
 from offcache.weights.files import forget as _forget  # noqa: E402
 from offcache.weights.node_region import NodeShapeMismatchError  # noqa: E402
 from offcache.weights.node_warm import Deferred, issue_ready, page_cache_on  # noqa: E402
@@ -104,28 +103,28 @@ class NodeDiskCache(_BatchOffload, OffcacheDiskCache, DistributedDiskCache):
         issue_ready()
         if offloaded is None:
             return None
-        entry = _state.prefetched.get(id(offloaded))
+        entry = self.state.prefetched.get(id(offloaded))
         if entry is None or entry.offloaded is not offloaded:
             self._inline = True  # nothing fetched ahead: the page-cache read on this thread
             try:
-                return _onload(self, offloaded)
+                return self.state.onload(self, offloaded)
             finally:
                 self._inline = False
         try:
-            return _onload(self, offloaded)
+            return self.state.onload(self, offloaded)
         except (RuntimeError, OSError):
             # The prefetch's read failed (another rank rewrote or replaced the file under it):
             # read it again, which raises if the file cannot be read now either.
-            COUNTERS["weight_prefetch_stale"] += 1
+            self.state.counters["weight_prefetch_stale"] += 1
             return self.onload(offloaded)
 
-    def _fetch(self, offloaded: list[Tensor], device: torch.device) -> list[tuple[Any, Any]]:
+    def fetch(self, offloaded: list[Tensor], device: torch.device) -> list[tuple[Any, Any]]:
         issue_ready()
         metas = [t for t in offloaded if t.device.type == "meta"]
         if not metas or not page_cache_on():
-            return super()._fetch(offloaded, device)
+            return super().fetch(offloaded, device)
         ranges = [self._ranges(t) for t in offloaded]
-        return Deferred(super()._fetch, offloaded, device, ranges, inline=self._inline).pairs()
+        return Deferred(super().fetch, offloaded, device, ranges, self.state.counters, inline=self._inline).pairs()
 
     def _ranges(self, offloaded: Tensor) -> tuple[str, int, int] | None:
         """(file, first byte, bytes) of a meta tensor's data, for the page-cache read; None: none."""
@@ -142,18 +141,18 @@ class NodeDiskCache(_BatchOffload, OffcacheDiskCache, DistributedDiskCache):
             return None  # the engine's read says why
         return real, start + begin, end - begin
 
-    def _finish(self, fetched: Any, offloaded: Tensor) -> Tensor:
+    def finish(self, fetched: Any, offloaded: Tensor) -> Tensor:
         if isinstance(fetched, Deferred.Handle):
             fetched = fetched.tensor()
-        return super()._finish(fetched, offloaded)
+        return super().finish(fetched, offloaded)
 
-    def _tag(self, offloaded: Tensor) -> Any:
+    def tag(self, offloaded: Tensor) -> Any:
         """The file's identity before a prefetch reads it (None: a staged host tensor)."""
         if offloaded.device.type != "meta":
             return None
         return _identity(self.index[offloaded]["safetensors_file"])
 
-    def _fresh(self, offloaded: Tensor, tag: Any) -> bool:
+    def is_fresh(self, offloaded: Tensor, tag: Any) -> bool:
         """Whether the file a prefetch read is still the tensor's (no rank rewrote it since)."""
         if offloaded.device.type != "meta":
             return True
@@ -170,7 +169,7 @@ class NodeDiskCache(_BatchOffload, OffcacheDiskCache, DistributedDiskCache):
             return
         if offloaded.device.type != "meta":  # staged (0.20): a host tensor, updated as CPUCache's
             return super().update_offload(offloaded, data)
-        _drop_prefetched(offloaded)
+        self.state.drop_prefetched(offloaded)
         assert offloaded in self.index, "Cannot find offload to update"
         info = self.index[offloaded]
         path = info["safetensors_file"]

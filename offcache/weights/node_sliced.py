@@ -61,8 +61,7 @@ import torch
 import torch.distributed as dist
 
 from offcache import engine as _engine
-from offcache.weights.bookkeeping import _Prefetched, _state
-from offcache.weights.caches import COUNTERS
+from offcache.weights.bookkeeping import Prefetched, WeightState
 
 MODES = ("full", "sliced")
 _ALIGN = 64  # every tensor's offset in the flat buffer (any dtype's view is aligned)
@@ -252,7 +251,7 @@ def _gather_stream(device: torch.device):
 
 
 def prefetch(items: list[tuple[Any, torch.Tensor]], device: torch.device, target: int,
-             free_bytes: Callable[[torch.device], int | None]) -> tuple[int, list]:  # fmt: skip
+             free_bytes: Callable[[torch.device], int | None], state: WeightState) -> tuple[int, list]:  # fmt: skip
     """A sliced prefetch of `items` ((cache, offloaded) of NodeSharedCPUCache instances, onloading
     to `device`) for subgraph `target`, made by every rank of the node together: 1 or 2
     collectives. Returns the bytes prefetched and the items left to the per-rank path (not in
@@ -294,7 +293,7 @@ def prefetch(items: list[tuple[Any, torch.Tensor]], device: torch.device, target
         if free is not None and (n + 2) * slice_bytes > free:
             ok = 0
         else:
-            tags = [cache._tag(offloaded) for cache, offloaded, _ in region_items]  # before the copies
+            tags = [cache.tag(offloaded) for cache, offloaded, _ in region_items]  # before the copies
             for (at, nbytes), (_, offloaded, _) in zip(layout, region_items):
                 a, b = max(at, lo), min(at + nbytes, hi)
                 if a < b:
@@ -338,7 +337,7 @@ def prefetch(items: list[tuple[Any, torch.Tensor]], device: torch.device, target
     if not total:
         return 0, rest
     if not all(row[1] for row in every) or len({row[5] for row in every}) > 1:
-        COUNTERS["weight_prefetch_skips"] += 1
+        state.counters["weight_prefetch_skips"] += 1
         return 0, rest  # some rank has no room (or its fetch failed): every rank fetches at its onload
 
     # Collective 2: the gather, after the slice landed (on CUDA: on the gather stream).
@@ -360,12 +359,12 @@ def prefetch(items: list[tuple[Any, torch.Tensor]], device: torch.device, target
     shared_ticket = _Ticket(event, flat, [slice_buf, fetched, ticket])
     for (cache, offloaded, _), (at, nbytes), tag in zip(region_items, layout, tags):
         view = flat[at : at + nbytes].view(offloaded.dtype).view(offloaded.shape)
-        _state.prefetched[id(offloaded)] = _Prefetched(
+        state.prefetched[id(offloaded)] = Prefetched(
             offloaded, cache, view, shared_ticket, device, offloaded._version, target, nbytes, tag
         )
-    COUNTERS["weight_prefetch_bytes"] += sum(nbytes for _, nbytes in layout)
-    COUNTERS["weight_sliced_prefetches"] += 1
-    COUNTERS["weight_sliced_fetch_bytes"] += sum(p.numel() for _, p in pieces)
+    state.counters["weight_prefetch_bytes"] += sum(nbytes for _, nbytes in layout)
+    state.counters["weight_sliced_prefetches"] += 1
+    state.counters["weight_sliced_fetch_bytes"] += sum(p.numel() for _, p in pieces)
     return sum(nbytes for _, nbytes in layout), rest
 
 

@@ -142,19 +142,19 @@ def prefetch_update_onload(mod: str, name: str, seed: int, writer: int) -> dict:
     """Every rank prefetches ours; rank `writer` updates `name`; after a barrier every rank onloads."""
     from offcache import engine
     from offcache.weights import compressed_tensors as oc_ct
-    from offcache.weights.bookkeeping import _state
+    from offcache.weights.bookkeeping import WEIGHTS
 
     ours = _D[mod][0]
     before = dict(engine.stats())
     holder = types.SimpleNamespace(_parameters=ours, _buffers={})
     issued = oc_ct.prefetch([holder], target=0)
-    for entry in list(_state.prefetched.values()):
+    for entry in list(WEIGHTS.prefetched.values()):
         entry.ticket.wait()  # the old values have landed (the page-cache read, then the engine's)
     _barrier()
     update(mod, name, seed, writer)
     got = {key: _describe(ours[key]) for key in list(ours.offloaded_values)}
     after = engine.stats()
-    _state.prefetched.clear()
+    WEIGHTS.prefetched.clear()
     keys = ("weight_prefetch_hits", "weight_prefetch_stale", "file_fetches", "weight_page_cache_bytes")
     return {"issued": issued, "values": got, **{k: after.get(k, 0) - before.get(k, 0) for k in keys}}
 
@@ -172,7 +172,7 @@ def storage_reads(mod: str, folder: str, mib: int, page_cache: bool, prefetched:
     through ours, the file dropped from the page cache first; every rank onloads at once."""
     from offcache import engine
     from offcache.weights import compressed_tensors as oc_ct
-    from offcache.weights.bookkeeping import _state
+    from offcache.weights.bookkeeping import WEIGHTS
 
     os.environ["OFFCACHE_NODE_PAGE_CACHE"] = "1" if page_cache else "0"
     spec = [(f"t{i}", (256, 1024), "float32", i, False, None) for i in range(mib)]  # 1 MiB each
@@ -188,7 +188,7 @@ def storage_reads(mod: str, folder: str, mib: int, page_cache: bool, prefetched:
         oc_ct.prefetch([types.SimpleNamespace(_parameters=ours, _buffers={})], target=0)
     got = [ours[name] for name in list(ours.offloaded_values)]
     after = read_bytes()
-    _state.prefetched.clear()
+    WEIGHTS.prefetched.clear()
     _barrier()
     del got
     now = engine.stats()
@@ -286,7 +286,7 @@ def describe_seeds(shape, dtype: str, seeds) -> list:
 def prefetch_then_file_gone(mod: str, name: str) -> dict:
     """Every rank prefetches ours; the source removes `name`'s file; then every rank onloads each name."""
     from offcache.weights import compressed_tensors as oc_ct
-    from offcache.weights.bookkeeping import _state
+    from offcache.weights.bookkeeping import WEIGHTS
 
     ours = _D[mod][0]
     oc_ct.prefetch([types.SimpleNamespace(_parameters=ours, _buffers={})], target=0)
@@ -300,7 +300,7 @@ def prefetch_then_file_gone(mod: str, name: str) -> dict:
             out[key] = _describe(ours[key])
         except Exception as exc:  # noqa: BLE001
             out[key] = f"{type(exc).__name__}: {exc}"
-    _state.prefetched.clear()
+    WEIGHTS.prefetched.clear()
     return out
 
 

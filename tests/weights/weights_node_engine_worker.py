@@ -167,10 +167,10 @@ def drop_all() -> dict:
     region's mappings are gone (no tensor views them); then the node is set up again."""
     from offcache import engine
     from offcache.weights import node
-    from offcache.weights.bookkeeping import _state
+    from offcache.weights.bookkeeping import WEIGHTS
 
     _S.clear()
-    _state.prefetched.clear()
+    WEIGHTS.prefetched.clear()
     node.reset()
     gc.collect()
     engine.synchronize()

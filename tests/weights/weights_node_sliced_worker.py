@@ -213,17 +213,17 @@ def skew_generations(on: bool) -> None:
     from offcache.weights.node import NodeSharedCPUCache
 
     if on:
-        real = NodeSharedCPUCache._tag
+        real = NodeSharedCPUCache.tag
         _S["real_tag"] = real
-        NodeSharedCPUCache._tag = lambda self, offloaded: real(self, offloaded) - 2
+        NodeSharedCPUCache.tag = lambda self, offloaded: real(self, offloaded) - 2
     elif "real_tag" in _S:
-        NodeSharedCPUCache._tag = _S.pop("real_tag")
+        NodeSharedCPUCache.tag = _S.pop("real_tag")
 
 
 def clear_prefetched() -> None:
-    from offcache.weights.bookkeeping import _state
+    from offcache.weights.bookkeeping import WEIGHTS
 
-    _state.prefetched.clear()
+    WEIGHTS.prefetched.clear()
 
 
 def mark() -> None:
