@@ -1,13 +1,16 @@
 """Offloaded model weights: compressed-tensors' offload caches on the engine.
 
-    caches.py              OffcacheCPUCache / OffcacheDiskCache and the onload they share
+    interface.py           WeightCache: what the onload and the prefetcher call on a cache
+    bookkeeping.py         WeightState: the prefetch table, write-backs and reads in flight, the counters
+    caches.py              OffcacheCPUCache / OffcacheDiskCache (EngineCache: the interface on the engine)
     compressed_tensors.py  the prefetcher and patch() / unpatch(), which install the classes
-    node.py                NodeSharedCPUCache: one shared region per node under torch.distributed
-    node_region.py         that region: its memfd, allocator, registered mappings, generation words
-    bookkeeping.py         the state they share: prefetched copies, write-backs in flight, records
     files.py               where a checkpoint's tensors lie in their safetensors files
     drift.py               the guard that compressed-tensors is the version these classes mirror
+    node/                  the node-shared caches under torch.distributed (node/__init__.py maps it)
 
-caches.py, compressed_tensors.py and node.py need compressed-tensors (``pip install
+caches.py, compressed_tensors.py and node/ need compressed-tensors (``pip install
 'offcache[llmcompressor]'``); import them by name: ``from offcache.weights import compressed_tensors``.
 """
+
+# The weight_* counters are in offcache.stats() from the import on, as they were when the engine held them.
+from offcache.weights.bookkeeping import WEIGHTS  # noqa: F401

@@ -5,10 +5,10 @@
 - ``OffloadCache.cls_from_device`` returns ``OffcacheCPUCache`` for a non-distributed
   ``"cpu"`` offload and ``OffcacheDiskCache`` for ``"disk"`` (the classes ``offload_module``
   builds every module's cache from).
-  Distributed runs get ``NodeSharedCPUCache`` (offcache/weights/node.py) for ``"cpu"`` (one
+  Distributed runs get ``NodeSharedCPUCache`` (offcache/weights/node/) for ``"cpu"`` (one
   shared region per node, where a per-rank arena would hold one copy per rank; its onloads are
   engine fetches from the region, prefetched as below) and ``NodeDiskCache``
-  (offcache/weights/node_disk.py) for ``"disk"``: compressed-tensors' ``DistributedDiskCache``
+  (offcache/weights/node/disk.py) for ``"disk"``: compressed-tensors' ``DistributedDiskCache``
   with ``OffcacheDiskCache``'s onload and prefetch, its checkpoint bytes read once per node
   through the page cache.
 - ``OffcacheCPUCache`` is compressed-tensors' ``CPUCache`` with its three device moves on
@@ -71,10 +71,10 @@ except ModuleNotFoundError as _missing:  # one line naming the extra
 from loguru import logger  # llm-compressor's and compressed-tensors' logger: its INFO lines show
 
 from offcache import engine as _engine  # noqa: F401  (tests patch the engine through this module)
-from offcache.weights import node_sliced
 from offcache.weights.bookkeeping import WEIGHTS, Prefetched, Subgraph, WeightState, onload_device, prefetch_depth
 from offcache.weights.caches import OffcacheCPUCache, OffcacheDiskCache
 from offcache.weights.interface import WeightCache
+from offcache.weights.node import sliced as node_sliced
 
 __all__ = [
     "OffcacheCPUCache",
@@ -212,12 +212,12 @@ _originals: dict[tuple[object, str], object] = {}
 
 def _cls_from_device(cls, device=None):
     chosen = _originals[(OffloadCache, "cls_from_device")].__func__(cls, device)
-    if chosen.__name__ == "DistributedCPUCache":  # one region per node (offcache/weights/node.py)
-        from offcache.weights import node
+    if chosen.__name__ == "DistributedCPUCache":  # one region per node (offcache/weights/node/)
+        from offcache.weights.node import cache_class
 
-        return node.cache_class()
-    if chosen.__name__ == "DistributedDiskCache":  # read once per node (offcache/weights/node_disk.py)
-        from offcache.weights.node_disk import NodeDiskCache
+        return cache_class()
+    if chosen.__name__ == "DistributedDiskCache":  # read once per node (offcache/weights/node/disk.py)
+        from offcache.weights.node.disk import NodeDiskCache
 
         return NodeDiskCache
     return {CPUCache: OffcacheCPUCache, DiskCache: OffcacheDiskCache}.get(chosen, chosen)

@@ -115,9 +115,9 @@ def test_the_gpu_tests_carry_what_was_left_for_a_gpu():
     the gpu step runs them (the sliced mode skips below two GPUs, saying so: -rs)."""
     tests = ROOT / "tests"
     for path, marker in (("engine/test_gpu_allocators.py", "pytest.mark.gpu"),
-                         ("weights/test_gpu_weights_node.py", "pytest.mark.gpu")):  # fmt: skip
+                         ("weights/node/test_gpu_weights_node.py", "pytest.mark.gpu")):  # fmt: skip
         assert marker in (tests / path).read_text(), path
-    assert "OFFCACHE_TEST_PG" in (tests / "weights/test_gpu_weights_node.py").read_text()
+    assert "OFFCACHE_TEST_PG" in (tests / "weights/node/test_gpu_weights_node.py").read_text()
     assert "-rfEs" in SCRIPT.read_text()
 
 

@@ -107,8 +107,8 @@ def test_patch_without_weights_leaves_weights_alone():
 def test_distributed_gets_the_node_shared_cpu_cache_and_the_node_disk_cache(patched):
     import torch.distributed as dist
 
-    from offcache.weights.node import NodeSharedCPUCache  # tests/weights/test_weights_node*.py
-    from offcache.weights.node_disk import NodeDiskCache  # tests/weights/test_weights_node_disk.py
+    from offcache.weights.node import NodeSharedCPUCache  # tests/weights/node/test_weights_node*.py
+    from offcache.weights.node.disk import NodeDiskCache  # tests/weights/node/test_weights_node_disk.py
 
     for _ in range(2):  # a second process group decides again, with a region of its own
         with tempfile.TemporaryDirectory() as tmp:

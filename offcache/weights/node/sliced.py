@@ -1,4 +1,4 @@
-"""The node region's sliced onload (``OFFCACHE_NODE_ONLOAD=sliced``; offcache/weights/node.py holds the region).
+"""The node region's sliced onload (``OFFCACHE_NODE_ONLOAD=sliced``; offcache/weights/node/ holds the region).
 
 In the default ``full`` mode every rank prefetches a subgraph's weights whole, an engine fetch
 from the node's shared region. In the ``sliced`` mode a prefetch of the node region's tensors is
@@ -28,7 +28,7 @@ shared out between the node's ranks:
 - **Plan**: every region tensor of the prefetch's modules, prefetched already or not: what a
   rank holds prefetched differs between ranks (a write drops the writer's copy alone), the plan
   must not. A copy prefetched again replaces the older one. Each region entry (offset, dtype,
-  shape) counts once: a tied weight is one object on every rank (node.py's ``_adopt``), and a
+  shape) counts once: a tied weight is one object on every rank (cpu.py's ``_adopt``), and a
   second object over the same bytes is fetched by its rank alone.
 - **Streams** (CUDA): the gather runs on a stream of its own, after the slice's H2D copy (the
   stream waits on the fetch's event, the engine hands its allocations to that stream), and
@@ -85,7 +85,7 @@ def onload_mode() -> str:
 
 
 def check_modes(modes: list[str], depths: list[int | str]) -> None:
-    """Every rank's OFFCACHE_NODE_ONLOAD (or its parse error) as node.py's set-up gathered them, and
+    """Every rank's OFFCACHE_NODE_ONLOAD (or its parse error) as group.py's set-up gathered them, and
     its OFFCACHE_WEIGHT_PREFETCH (an int, or its parse error): raises ValueError on every rank where a
     mode is garbage or the ranks disagree on it, and in the sliced mode, where every prefetch is a
     collective, where a depth is garbage or the ranks disagree on it (a rank prefetching less, or
@@ -257,12 +257,12 @@ def prefetch(items: list[tuple[Any, torch.Tensor]], device: torch.device, target
     collectives. Returns the bytes prefetched and the items left to the per-rank path (not in
     the node region)."""
     g = _groups
-    assert g is not None, "node_sliced.prefetch is used only in the sliced mode"
+    assert g is not None, "node.sliced.prefetch is used only in the sliced mode"
     region_items, rest = [], []
     entries: set[tuple] = set()
     for cache, offloaded in items:
         region = getattr(cache, "_region", None)
-        offset = region.locate(offloaded) if region is not None else None  # None unless plain (node_region.plain)
+        offset = region.locate(offloaded) if region is not None else None  # None unless plain (region.plain)
         entry = (offset, offloaded.dtype, tuple(offloaded.shape))
         if offset is None or region.word_at(offset) is None:
             rest.append((cache, offloaded))

@@ -1,8 +1,8 @@
-"""Worker functions for tests/weights/test_weights_node_engine.py and test_gpu_weights_node.py: the node
+"""Worker functions for tests/weights/node/test_weights_node_engine.py and test_gpu_weights_node.py: the node
 region's registration with the engine, engine onloads, prefetch and cross-process invalidation.
 
-Run on the ranks of tests/weights/weights_node_worker.py's ``Group`` as
-``group.call("tests.weights.weights_node_engine_worker:<function>", ...)``.
+Run on the ranks of tests/weights/node/weights_node_worker.py's ``Group`` as
+``group.call("tests.weights.node.weights_node_engine_worker:<function>", ...)``.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from tests.weights.weights_node_worker import _describe, make
+from tests.weights.node.weights_node_worker import _describe, make
 
-W = "tests.weights.weights_node_engine_worker:"
+W = "tests.weights.node.weights_node_engine_worker:"
 _S: dict[str, Any] = {}
 
 
@@ -239,7 +239,7 @@ def pipeline(n: int, size: int, device: str, patched: bool) -> dict:
     return {"kinds": kinds, "outs": outs, "records": records, "counters": counters}
 
 
-# --- CUDA (tests/weights/test_gpu_weights_node.py) ----------------------------------------------------
+# --- CUDA (tests/weights/node/test_gpu_weights_node.py) ----------------------------------------------------
 
 
 def backend() -> str:
@@ -259,7 +259,7 @@ def map_during_capture() -> bool:
     from offcache import engine
     from offcache.weights import node
 
-    region = node._node.region
+    region = node.GROUP.node.region
     start = region.allocate(1 << 20)  # this rank's own span (not collective)
     x = torch.zeros(16, device="cuda")
     side = torch.cuda.Stream()

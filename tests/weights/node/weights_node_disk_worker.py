@@ -1,5 +1,5 @@
-"""Worker functions for tests/weights/test_weights_node_disk.py (run through weights_node_worker's Group
-as 'tests.weights.weights_node_disk_worker:fn').
+"""Worker functions for tests/weights/node/test_weights_node_disk.py (run through weights_node_worker's Group
+as 'tests.weights.node.weights_node_disk_worker:fn').
 
 Each module slot holds offcache's NodeDiskCache and compressed-tensors' DistributedDiskCache built
 from the same checkpoint file (the source rank writes it and symlinks each tensor into the class's
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from tests.weights.weights_node_worker import DTYPES, make
+from tests.weights.node.weights_node_worker import DTYPES, make
 
 
 def _describe(t):
@@ -82,7 +82,7 @@ def offload(mod: str, folder: str, spec, classes=("ours", "theirs")) -> None:
     """Both classes' from_mapping of one checkpoint's tensors (meta tensors off the source rank)."""
     from compressed_tensors.offload.cache.dist_disk import DistributedDiskCache
 
-    from offcache.weights.node_disk import NodeDiskCache
+    from offcache.weights.node.disk import NodeDiskCache
 
     checkpoint = _checkpoint(folder, mod, spec)
     caches = []
@@ -97,7 +97,7 @@ def offload(mod: str, folder: str, spec, classes=("ours", "theirs")) -> None:
 
 def offload_local(mod: str, folder: str, spec) -> None:
     """Ours only, from this rank's own (non-meta off the source: a shape or dtype may disagree)."""
-    from offcache.weights.node_disk import NodeDiskCache
+    from offcache.weights.node.disk import NodeDiskCache
 
     checkpoint = _checkpoint(folder, mod, spec)
     offload_dir = Path(folder) / f"{mod}-ours"
@@ -237,7 +237,7 @@ def random_sequence(folder: str, seed: int, steps: int) -> list:
 
 def offload_unwritable(folder: str) -> None:
     """The source rank's write fails (its offload folder is not writable... a file stands there)."""
-    from offcache.weights.node_disk import NodeDiskCache
+    from offcache.weights.node.disk import NodeDiskCache
 
     blocker = Path(folder) / "blocked"
     if _source():
@@ -327,7 +327,7 @@ def delete_race_lost(folder: str) -> dict:
     class's error there ('' where it read the tensor)."""
     from compressed_tensors.offload.cache.dist_disk import DistributedDiskCache
 
-    from offcache.weights.node_disk import NodeDiskCache
+    from offcache.weights.node.disk import NodeDiskCache
 
     out = {}
     for which, cls in (("ours", NodeDiskCache), ("theirs", DistributedDiskCache)):

@@ -1,4 +1,4 @@
-"""Checkpoint bytes read through the page cache before the engine reads them (offcache.weights.node_disk).
+"""Checkpoint bytes read through the page cache before the engine reads them (offcache.weights.node.disk).
 
 The engine's ``fetch_file`` reads a piece from the page cache where all of it is there, else with
 O_DIRECT: under torchrun every rank of a node would read the disk itself. Here a fetch first
