@@ -316,7 +316,7 @@ def _tiers(peak: int, settings: dict) -> Tiers:
     free = 0
     if disk_dir:
         try:
-            st = os.statvfs(_machine._existing(disk_dir))  # made when first needed
+            st = os.statvfs(_machine.existing_folder(disk_dir))  # made when first needed
             free = st.f_bavail * st.f_frsize
         except OSError:
             free = 0

@@ -140,17 +140,17 @@ def fallback_by_registration(fail: bool) -> dict:
 def fail_next_registration(rank: int, after: int = 0, chunk: int = 0) -> None:
     import torch.distributed as dist
 
-    from offcache import engine
+    from offcache.engine import ops
 
-    engine._set_register_chunk(chunk)
+    ops._set_register_chunk(chunk)
     if dist.get_rank() == rank:
-        engine._fail_register(after, "cudaHostRegister: out of memory (injected)")
+        ops._fail_register(after, "cudaHostRegister: out of memory (injected)")
 
 
 def reset_register_chunk() -> None:
-    from offcache import engine
+    from offcache.engine import ops
 
-    engine._set_register_chunk(0)
+    ops._set_register_chunk(0)
 
 
 def caught_offload(mod: str, shapes: list, seed: int = 0) -> dict:
