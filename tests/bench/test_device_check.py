@@ -79,10 +79,7 @@ def test_the_gpu_steps_workload_is_the_one_its_time_was_scaled_to():
     scaled = gpu["h200_s"] * h200_workers / h200_tests * gpu["tests"] / gpu["workers"]
     assert abs(scaled - gpu["expected_s"]) < 0.5, (scaled, gpu)
     log = (ROOT / "benchmarks" / "results" / "2026-12-04-h200-diag-gpu-tests.log").read_text()
-    assert (
-        f"in {gpu['h200_s']}s" in log
-        and "-n 8" in (ROOT / "benchmarks/results/2026-12-04-h200-diag-script.sh").read_text()
-    )
+    assert f"in {gpu['h200_s']}s" in log and "-n 8" in (ROOT / "benchmarks/diag.sh").read_text()
     text = SCRIPT.read_text()
     assert re.search(r"CMD\[gpu\]=.*\$\(nproc\)", text), "the gpu step runs on every core, as its time assumes"
     assert "--durations" in re.search(r"CMD\[gpu\]=(.*)", text).group(1), (
