@@ -111,7 +111,7 @@ def _offloaded(shape, dtype, device):
 def run_weights(ctx: Context) -> list[dict]:
     import compressed_tensors  # noqa: F401  (ImportError names what is missing)
 
-    from offcache.weights import compressed_tensors as oc_ct
+    from offcache.weights import ct_patch as oc_ct
 
     shape = _shape(ctx)
     dtype = torch.bfloat16 if ctx.gpu else torch.float32
@@ -261,7 +261,7 @@ def _disk(ctx: Context, shape, dtype, bound: float) -> list[dict]:
     DiskCache against offcache's without and with prefetch, and a raw sequential read of the files."""
     from compressed_tensors.offload import offload_module
 
-    from offcache.weights import compressed_tensors as oc_ct
+    from offcache.weights import ct_patch as oc_ct
 
     g = torch.Generator().manual_seed(1)
     batches = [torch.randn(shape["T"], shape["H"], generator=g).to(ctx.device, dtype) for _ in range(shape["B"])]

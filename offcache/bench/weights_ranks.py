@@ -292,7 +292,7 @@ def _warm_up(ctx: Context) -> None:
     from compressed_tensors.offload import offload_module  # noqa: F401
 
     from offcache import engine
-    from offcache.weights import compressed_tensors as oc_ct
+    from offcache.weights import ct_patch as oc_ct
     from offcache.weights import node  # noqa: F401
 
     oc_ct.patch()
@@ -325,7 +325,7 @@ def _impl(impl: str):
     """compressed-tensors' classes as shipped, offcache's switch, or offcache's per-rank class."""
     from compressed_tensors.offload.cache import OffloadCache
 
-    from offcache.weights import compressed_tensors as oc_ct
+    from offcache.weights import ct_patch as oc_ct
 
     oc_ct.unpatch()
     if impl == "compressed_tensors":
@@ -362,7 +362,7 @@ def _one(ctx: Context, impl: str, spec: dict, counter: CollectiveCounter) -> dic
     from compressed_tensors.offload import disable_offloading, offload_module
 
     from offcache.bench.weights import PipelineSubgraph, model_layers
-    from offcache.weights import compressed_tensors as oc_ct
+    from offcache.weights import ct_patch as oc_ct
 
     shape, dtype = spec["shape"], DTYPES[spec["dtype"]]
     g = torch.Generator().manual_seed(1000 + dist.get_rank())  # each rank its own calibration batches

@@ -1,4 +1,5 @@
-"""The engine's configuration: settings from arguments, the environment and DEFAULTS, checked here.
+"""The engine's settings (a model's config is offcache/util/model_config.py): from arguments, the environment
+and DEFAULTS, checked here.
 
 Environment (read by the first engine call, or by ``configure()``; nothing is read at import):
   OFFCACHE_BACKEND             auto | cuda | host (default auto: CUDA when a GPU is visible)

@@ -33,7 +33,7 @@ from offcache.engine import machine as _machine
 from offcache.plan import ranks as plan_ranks
 from offcache.plan import sim as plan_sim
 from offcache.plan import trace as plan_trace
-from offcache.util.config import load_config
+from offcache.util.model_config import load_config
 from offcache.util.units import bytes_text as _h
 
 GiB = 1 << 30

@@ -1,5 +1,5 @@
 """OffcacheCPUCache and OffcacheDiskCache: compressed-tensors' CPUCache and DiskCache with their device
-moves on the offcache engine (offcache.weights.compressed_tensors explains the whole; this file holds
+moves on the offcache engine (offcache/weights/ct_patch.py explains the whole; this file holds
 the two classes and the onload they share)."""
 
 from __future__ import annotations

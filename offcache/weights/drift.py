@@ -1,7 +1,7 @@
 """The drift guard for compressed-tensors: what offcache's cache subclasses rely on, checked
 before anything is patched.
 
-``OffcacheCPUCache`` and ``OffcacheDiskCache`` (offcache/weights/compressed_tensors.py) subclass
+``OffcacheCPUCache`` and ``OffcacheDiskCache`` (offcache/weights/caches.py) subclass
 compressed-tensors' ``CPUCache`` and ``DiskCache``: compressed-tensors calls their overrides, and
 they call compressed-tensors' methods and read its ``DiskCache.index``. A release that changes one
 of these would break a run partway through (a ``TypeError`` in an onload, a ``KeyError`` in an

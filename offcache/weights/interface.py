@@ -2,7 +2,7 @@
 
 Every offcache weight cache (``OffcacheCPUCache``, ``OffcacheDiskCache``, the node classes in
 offcache/weights/node/) is a :class:`WeightCache` before its compressed-tensors base class. The
-onload (``WeightState.onload``) and the prefetcher (``offcache.weights.compressed_tensors.prefetch``)
+onload (``WeightState.onload``) and the prefetcher (``offcache.weights.ct_patch.prefetch``)
 call only these names; the state they share is the cache's ``state`` (a ``WeightState``,
 offcache/weights/bookkeeping.py), never a module global.
 

@@ -39,7 +39,7 @@ tensor; this one (weights offloaded to disk: disk.py's ``NodeDiskCache``):
   ``pinned_limit_bytes`` is the budget less it).
 - onloads through the engine: an onload is an engine fetch from the region (asynchronous, from
   pinned memory), and the sequential pipeline's subgraphs prefetch the next one's weights as
-  with one process (offcache.weights.compressed_tensors' prefetcher and bookkeeping.py's
+  with one process (offcache.weights.ct_patch's prefetcher and bookkeeping.py's
   rules). An onload to the CPU is a copy, as ``OffcacheCPUCache``'s (compressed-tensors' class
   hands out the shared tensor itself there; the copy keeps its ``requires_grad``).
 - invalidates across processes: every tensor of the region has a generation word in it
