@@ -127,7 +127,7 @@ def patch_llmcompressor(weights: bool = False) -> list[str]:
     """Use offcache's cache in every llm-compressor module that holds the original.
 
     weights=True also puts compressed-tensors' offloaded model weights (CPU, disk) on the engine
-    (offcache.weights.compressed_tensors.patch); weights=False leaves the weights as they are.
+    (offcache.weights.ct_patch.patch); weights=False leaves the weights as they are.
 
     Covers the sequential pipeline, AWQ and any other module that imported the
     class (modules imported later by llm-compressor itself are covered too,
@@ -161,9 +161,9 @@ def patch_llmcompressor(weights: bool = False) -> list[str]:
                 setattr(module, attr, replacements[attr])
                 patched.append(name)
     if weights:
-        from offcache.weights import compressed_tensors
+        from offcache.weights import ct_patch
 
-        compressed_tensors.patch()
+        ct_patch.patch()
     return sorted(set(patched) | {name for name, _ in _originals})
 
 
@@ -172,8 +172,8 @@ def unpatch_llmcompressor() -> None:
 
     Also restores compressed-tensors' weight offloading if weights=True patched it.
     """
-    if "offcache.weights.compressed_tensors" in sys.modules:
-        sys.modules["offcache.weights.compressed_tensors"].unpatch()
+    if "offcache.weights.ct_patch" in sys.modules:
+        sys.modules["offcache.weights.ct_patch"].unpatch()
     for (name, attr), original in list(_originals.items()):
         module = sys.modules.get(name)
         if module is not None:

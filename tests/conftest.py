@@ -16,7 +16,7 @@ XDG_CACHE_HOME = tempfile.mkdtemp(prefix="offcache-tests-xdg-")
 atexit.register(shutil.rmtree, XDG_CACHE_HOME, True)
 os.environ["XDG_CACHE_HOME"] = XDG_CACHE_HOME
 
-import offcache  # noqa: E402  (after XDG_CACHE_HOME: it configures the engine at import)
+import offcache  # noqa: E402  (after XDG_CACHE_HOME: the engine, configured at its first call, reads it)
 
 # The engine configurations the model-based tests run under, by id.
 ENGINE_CONFIGS = {

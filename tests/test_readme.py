@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from offcache import engine as _engine
+from offcache.engine import config as _config
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -105,7 +106,7 @@ def test_readme_lists_every_extra():
 def variables_in_code() -> set[str]:
     """Every OFFCACHE_ variable the Python code and setup.py read from the environment."""
     read = re.compile(r"""(?:environ(?:\.get\(|\[)|env_switch\(|env_choice\()\s*["'](OFFCACHE_[A-Z_]+)["']""")
-    found = set(_engine._ENV.values())
+    found = set(_config._ENV.values())
     for path in [*(ROOT / "offcache").rglob("*.py"), ROOT / "setup.py"]:
         found |= set(read.findall(path.read_text()))
     return found
@@ -118,7 +119,7 @@ def configuration_table() -> dict[str, str]:
 
 def test_configuration_table_matches_the_defaults():
     table = configuration_table()
-    for name, variable in _engine._ENV.items():
+    for name, variable in _config._ENV.items():
         assert table[variable] == f"`{_engine.DEFAULTS[name]}`", variable
 
 

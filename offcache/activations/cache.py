@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from offcache import engine as _engine
 from offcache.activations.tree import IntermediateValue, collect, count_bytes, plan, rebuild, tensor_leaves
-from offcache.engine import machine as _machine
+from offcache.util.units import human
 
 __all__ = ["IntermediateValue", "IntermediatesCache"]
 
@@ -291,9 +291,9 @@ class IntermediatesCache:
         names = ", ".join(map(repr, values))
         warnings.warn(
             f"offcache: batch {batch_index}'s values ({names}) hold {batch_bytes} bytes; for {batches} batches "
-            f"that is {total} bytes ({_machine._human(total)}), more than {where} ({room} bytes together): the run "
+            f"that is {total} bytes ({human(total)}), more than {where} ({room} bytes together): the run "
             f"would fail when the cache fills. Set OFFCACHE_DISK_DIR to a folder on a disk with "
-            f"{_machine._human(total)} free, raise OFFCACHE_HOST_LIMIT if the memory is there, or calibrate with "
+            f"{human(total)} free, raise OFFCACHE_HOST_LIMIT if the memory is there, or calibrate with "
             "fewer samples or shorter sequences (python -m offcache.plan estimates a run before it starts)",
             _engine.CapacityWarning,
             stacklevel=4,

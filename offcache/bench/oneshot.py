@@ -196,7 +196,7 @@ def _one_run(ctx: Context, model_dir: Path, dtype: torch.dtype, shape: Shape, da
     }
     counted.update({k: after[k] - before[k] for k in after if k.startswith("weight_")})
     if impl == "offcache+weights":  # per disable_offloading() context: hits, misses, waits
-        from offcache.weights import compressed_tensors as oc_ct
+        from offcache.weights import ct_patch as oc_ct
 
         counted["weight_subgraphs"] = oc_ct.subgraph_stats()
     return wall, state, counted

@@ -48,7 +48,7 @@ def _shape(ctx: Context) -> dict:
     return dict(S=6, L=2, H=512 if ctx.quick else 1024, B=3, T=64, R=3)
 
 
-class _Subgraph:
+class PipelineSubgraph:
     """What the sequential pipeline uses of a subgraph: forward(model, **inputs), submodules(model)."""
 
     def __init__(self, layers):
@@ -63,7 +63,7 @@ class _Subgraph:
         return list(self.layers)
 
 
-def _layers(shape, dtype, device):
+def model_layers(shape, dtype, device):
     torch.manual_seed(0)
     with torch.device(device):
         return [
@@ -101,7 +101,7 @@ def _env(name, value):
 def _offloaded(shape, dtype, device):
     from compressed_tensors.offload import offload_module
 
-    layers = _layers(shape, dtype, "cpu")
+    layers = model_layers(shape, dtype, "cpu")
     for sub in layers:
         for layer in sub:
             offload_module(layer, device, torch.device("cpu"))
@@ -111,7 +111,7 @@ def _offloaded(shape, dtype, device):
 def run_weights(ctx: Context) -> list[dict]:
     import compressed_tensors  # noqa: F401  (ImportError names what is missing)
 
-    from offcache.weights import compressed_tensors as oc_ct
+    from offcache.weights import ct_patch as oc_ct
 
     shape = _shape(ctx)
     dtype = torch.bfloat16 if ctx.gpu else torch.float32
@@ -123,7 +123,7 @@ def run_weights(ctx: Context) -> list[dict]:
     rows: list[dict] = []
     offcache.unpatch_llmcompressor()
     try:
-        resident = [_Subgraph(sub) for sub in _layers(shape, dtype, ctx.device)]
+        resident = [PipelineSubgraph(sub) for sub in model_layers(shape, dtype, ctx.device)]
         compute: list[float] = []
         walls: dict[str, list[float]] = {"compressed_tensors": [], "offcache": [], "offcache_prefetch": []}
         stats: dict[str, dict] = {}
@@ -139,7 +139,7 @@ def run_weights(ctx: Context) -> list[dict]:
                 try:
                     layers = _offloaded(shape, dtype, ctx.device)
                     with _env("OFFCACHE_WEIGHT_PREFETCH", "1" if impl == "offcache_prefetch" else "0"):
-                        subgraphs = [_Subgraph(sub) for sub in layers]
+                        subgraphs = [PipelineSubgraph(sub) for sub in layers]
                         if impl != "compressed_tensors":
                             subgraphs = oc_ct._wrap_subgraphs(subgraphs)
                         before = offcache.stats()
@@ -261,7 +261,7 @@ def _disk(ctx: Context, shape, dtype, bound: float) -> list[dict]:
     DiskCache against offcache's without and with prefetch, and a raw sequential read of the files."""
     from compressed_tensors.offload import offload_module
 
-    from offcache.weights import compressed_tensors as oc_ct
+    from offcache.weights import ct_patch as oc_ct
 
     g = torch.Generator().manual_seed(1)
     batches = [torch.randn(shape["T"], shape["H"], generator=g).to(ctx.device, dtype) for _ in range(shape["B"])]
@@ -276,11 +276,11 @@ def _disk(ctx: Context, shape, dtype, bound: float) -> list[dict]:
             try:
                 if impl != "disk_compressed_tensors":
                     oc_ct.patch()
-                layers = _layers(shape, dtype, "cpu")
+                layers = model_layers(shape, dtype, "cpu")
                 for sub in layers:
                     for layer in sub:
                         offload_module(layer, ctx.device, "disk", offload_dir=folder)
-                subgraphs = [_Subgraph(sub) for sub in layers]
+                subgraphs = [PipelineSubgraph(sub) for sub in layers]
                 with _env("OFFCACHE_WEIGHT_PREFETCH", "1" if impl.endswith("prefetch") else "0"):
                     if impl != "disk_compressed_tensors":
                         subgraphs = oc_ct._wrap_subgraphs(subgraphs)

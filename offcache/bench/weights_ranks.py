@@ -15,7 +15,7 @@ Rows, measured one after the other in the same processes:
 - ``per_rank``: every rank its own copy in its own pinned arena (``OffcacheCPUCache``): what a
   user without a node-shared class pays, N copies per node.
 - ``offcache_sliced``: ``NodeSharedCPUCache`` with ``OFFCACHE_NODE_ONLOAD=sliced`` (each rank
-  fetches 1/N of a prefetch from the region, the ranks all-gather it: offcache/weights/node_sliced.py).
+  fetches 1/N of a prefetch from the region, the ranks all-gather it: offcache/weights/node/sliced.py).
   Measured on the CPU (gloo, host backend); on a GPU machine it is a row saying it needs N GPUs and
   NCCL (this benchmark's ranks share the GPUs over gloo).
 
@@ -292,7 +292,7 @@ def _warm_up(ctx: Context) -> None:
     from compressed_tensors.offload import offload_module  # noqa: F401
 
     from offcache import engine
-    from offcache.weights import compressed_tensors as oc_ct
+    from offcache.weights import ct_patch as oc_ct
     from offcache.weights import node  # noqa: F401
 
     oc_ct.patch()
@@ -325,7 +325,7 @@ def _impl(impl: str):
     """compressed-tensors' classes as shipped, offcache's switch, or offcache's per-rank class."""
     from compressed_tensors.offload.cache import OffloadCache
 
-    from offcache.weights import compressed_tensors as oc_ct
+    from offcache.weights import ct_patch as oc_ct
 
     oc_ct.unpatch()
     if impl == "compressed_tensors":
@@ -361,8 +361,8 @@ def _one(ctx: Context, impl: str, spec: dict, counter: CollectiveCounter) -> dic
     from compressed_tensors.distributed import is_source_process
     from compressed_tensors.offload import disable_offloading, offload_module
 
-    from offcache.bench.weights import _layers, _Subgraph
-    from offcache.weights import compressed_tensors as oc_ct
+    from offcache.bench.weights import PipelineSubgraph, model_layers
+    from offcache.weights import ct_patch as oc_ct
 
     shape, dtype = spec["shape"], DTYPES[spec["dtype"]]
     g = torch.Generator().manual_seed(1000 + dist.get_rank())  # each rank its own calibration batches
@@ -389,7 +389,7 @@ def _one(ctx: Context, impl: str, spec: dict, counter: CollectiveCounter) -> dic
         # As llm-compressor loads a model for a distributed run: the source rank holds the weights,
         # the others meta tensors (per_rank: every rank its own copy).
         materialize = impl == "per_rank" or is_source_process()
-        layers = _layers(shape, dtype, "cpu" if materialize else "meta")
+        layers = model_layers(shape, dtype, "cpu" if materialize else "meta")
         counter.barrier()
         counter.take()
         t0 = time.perf_counter()
@@ -439,7 +439,7 @@ def _one(ctx: Context, impl: str, spec: dict, counter: CollectiveCounter) -> dic
         walls, runs = [], shape["R"] + 1
         checksum = None
         for repeat in range(runs):
-            subgraphs = [_Subgraph(sub) for sub in layers]
+            subgraphs = [PipelineSubgraph(sub) for sub in layers]
             with _env("OFFCACHE_WEIGHT_PREFETCH", "1"):
                 if impl != "compressed_tensors":
                     subgraphs = oc_ct._wrap_subgraphs(subgraphs)

@@ -7,18 +7,17 @@
     machine.py   what this machine has: memory, cgroup limits, file systems
 
 Everything above reads the engine through this package (``from offcache import engine``), never
-through offcache._C; nothing in it imports another concern of offcache.
+through offcache._C; nothing in it imports another concern of offcache. It exports what the other
+concerns use; tests import the rest from the module that holds it (``offcache.engine.ops._fail_*``).
+
+Importing it configures nothing: the first call that needs the engine configures it from the
+environment (``configure()`` with no arguments), unless ``configure()`` ran first.
 
 The environment variables it reads, their forms and defaults: config.py's docstring and DEFAULTS.
 """
 
 from offcache.engine.config import (
-    _ENV,  # noqa: F401  (private: tests reach it through the package)
-    _MAX_CHUNK,  # noqa: F401  (private: tests reach it through the package)
-    _MAX_DELAY_US,  # noqa: F401  (private: tests reach it through the package)
-    _SIZE_MAX,  # noqa: F401  (private: tests reach it through the package)
     DEFAULTS,
-    _parse_int,  # noqa: F401  (private: tests reach it through the package)
     capacity,
     configure,
     default_host_limit,
@@ -30,18 +29,13 @@ from offcache.engine.config import (
     settings,
 )
 from offcache.engine.disk_dir import make_disk_dir
-from offcache.engine.loader import _C, BUILD_RECORD, torch_mismatch  # noqa: F401  (_C: private, as above)
+from offcache.engine.loader import BUILD_RECORD, torch_mismatch
 from offcache.engine.ops import (
-    WEIGHT_COUNTERS,
     CapacityWarning,
     HostLimitError,
     SpillWarning,
     Ticket,
-    _fail_next_copy,  # noqa: F401  (private: tests reach it through the package)
-    _fail_next_task,  # noqa: F401  (private: tests reach it through the package)
-    _fail_query_after,  # noqa: F401  (private: tests reach it through the package)
-    _fail_register,  # noqa: F401  (private: tests reach it through the package)
-    _set_register_chunk,  # noqa: F401  (private: tests reach it through the package)
+    add_counters,
     backend_name,
     build_info,
     copy_into,
@@ -69,9 +63,9 @@ from offcache.engine.ops import (
 )
 
 __all__ = [
+    "add_counters",
     "BUILD_RECORD",
     "DEFAULTS",
-    "WEIGHT_COUNTERS",
     "CapacityWarning",
     "HostLimitError",
     "SpillWarning",
@@ -112,5 +106,3 @@ __all__ = [
     "wait_stored",
     "warn_if_spilled",
 ]
-
-configure()

@@ -1,6 +1,7 @@
-"""The engine's configuration: settings from arguments, the environment and DEFAULTS, checked here.
+"""The engine's settings (a model's config is offcache/util/model_config.py): from arguments, the environment
+and DEFAULTS, checked here.
 
-Environment (read when offcache is imported; ``configure`` changes it later):
+Environment (read by the first engine call, or by ``configure()``; nothing is read at import):
   OFFCACHE_BACKEND             auto | cuda | host (default auto: CUDA when a GPU is visible)
   OFFCACHE_PINNED_LIMIT        pinned budget: bytes, a size such as 64GiB, or a % of memory
   OFFCACHE_CHUNK_BYTES         smallest arena chunk, 1 byte to 1GiB (the largest chunk)
@@ -26,7 +27,8 @@ from decimal import Decimal
 from offcache.engine import disk_dir as _disk
 from offcache.engine import machine as _machine
 from offcache.engine.loader import _C
-from offcache.engine.machine import _existing, _human
+from offcache.engine.machine import existing_folder
+from offcache.util.units import human as _human
 
 # The one place the configuration defaults are written (tests check the README's table against it).
 DEFAULTS: dict[str, str | int] = {
@@ -163,6 +165,7 @@ _resolved: dict = {}
 
 def capacity() -> tuple[int, str]:
     """Bytes offcache can hold on the host and disk, and a description of them for messages."""
+    ensure_configured()
     host = _resolved.get("host_limit", 0)
     disk = _resolved.get("disk_dir", "")
     where = f"the host limit ({host} bytes, OFFCACHE_HOST_LIMIT)"
@@ -171,7 +174,7 @@ def capacity() -> tuple[int, str]:
         return host, where + (f" with no disk tier (OFFCACHE_DISK_DIR=auto found no folder: {reason})" if reason
                               else " with no disk tier (OFFCACHE_DISK_DIR=none)")  # fmt: skip
     try:
-        st = os.statvfs(_existing(disk))
+        st = os.statvfs(existing_folder(disk))
         free = st.f_bavail * st.f_frsize
     except OSError:
         free = 0
@@ -184,6 +187,7 @@ def settings() -> dict:
     disk_dir is '' without a disk tier; disk_auto_reason says why OFFCACHE_DISK_DIR=auto found
     no usable folder ('' otherwise).
     """
+    ensure_configured()
     return dict(_resolved)
 
 
@@ -256,11 +260,19 @@ def configure(
                      limit_specs={"pinned_limit": limit, "host_limit": host})  # fmt: skip
 
 
+def ensure_configured() -> None:
+    """Configure the engine from the environment unless ``configure()`` ran: every engine call
+    starts here, so the first one configures it as an import used to (a bad variable raises there)."""
+    if not _resolved:
+        configure()
+
+
 def set_pinned_limit(limit: str | int) -> None:
     """Set the pinned budget (bytes, '64GiB', '40%' of memory for the local ranks together).
 
     Values past it spill to pageable memory.
     """
+    ensure_configured()
     n = memory_share(limit, "set_pinned_limit(limit)")
     _C.set_pinned_limit(n)
     _resolved["pinned_limit"] = n

@@ -116,7 +116,7 @@ def filesystem_type(path: str, proc: str = "/proc/self") -> str:
     return kind
 
 
-def _existing(path: str) -> str:
+def existing_folder(path: str) -> str:
     """`path`, or the nearest folder above it that exists."""
     while not os.path.exists(path):
         path = os.path.dirname(path)
@@ -138,7 +138,7 @@ def auto_disk_dir(environ=None, proc: str = "/proc/self") -> tuple[str, str]:
     if not os.path.isabs(base):
         return "", "no home folder and no absolute XDG_CACHE_HOME"
     folder = os.path.join(base, "offcache")
-    existing = _existing(folder)
+    existing = existing_folder(folder)
     fs = filesystem_type(existing, proc)  # the folder may be a link or a mount of its own
     if fs in _MEMORY_FS:
         return "", f"{folder} is on {fs}, which is memory, not disk"

@@ -11,10 +11,17 @@ from collections.abc import Sequence
 import torch
 
 from offcache.engine import disk_dir as _disk
+from offcache.engine.config import ensure_configured
 from offcache.engine.loader import _C
 
 Tensor = torch.Tensor
 Ticket = _C.Ticket
+
+
+def _engine():
+    """offcache._C, its process-wide engine configured (from the environment at the first call)."""
+    ensure_configured()
+    return _C
 
 
 class SpillWarning(UserWarning):
@@ -29,22 +36,15 @@ class CapacityWarning(UserWarning):
 HostLimitError: type[MemoryError] = _C.HostLimitError
 
 
-# Model weights (offcache.weights.compressed_tensors counts them; process-wide, never reset).
-WEIGHT_COUNTERS: dict[str, int | float] = {
-    "weight_onload_bytes": 0,  # onloads of offloaded weights, served by a fetch or a prefetch
-    "weight_prefetch_bytes": 0,  # fetched ahead of use
-    "weight_writeback_bytes": 0,  # update_offload copies into the arena
-    "weight_prefetch_hits": 0,  # onloads served by a prefetched copy
-    "weight_prefetch_misses": 0,  # onloads that fetched (with prefetch on)
-    "weight_prefetch_skips": 0,  # prefetches not issued: no device memory, or the fetch failed
-    "weight_prefetch_stale": 0,  # prefetched copies not served: another rank wrote the weight since
-    "weight_host_waits": 0,  # times the host blocked on a weight copy
-    "weight_stream_waits": 0,  # onloads to a GPU whose copy was still in flight: its stream waited
-    "weight_host_wait_seconds": 0.0,
-    "weight_page_cache_bytes": 0,  # checkpoint bytes read through the page cache first (weights/node_warm.py)
-    "weight_sliced_prefetches": 0,  # sliced prefetches gathered (weights/node_sliced.py)
-    "weight_sliced_fetch_bytes": 0,  # of them, the bytes this rank fetched from the node region (its slices)
-}
+# Counters kept above the engine (offcache.weights' weight_* keys), merged into stats(): the
+# engine cannot import the concerns that count them, so they hand it their dicts (add_counters).
+_COUNTERS: list[dict[str, int | float]] = []
+
+
+def add_counters(counters: dict[str, int | float]) -> None:
+    """Merge `counters` (a dict its owner keeps updating) into every later ``stats()``."""
+    if not any(c is counters for c in _COUNTERS):
+        _COUNTERS.append(counters)
 
 
 def stats() -> dict:
@@ -54,7 +54,7 @@ def stats() -> dict:
     disk_write_bytes / disk_read_bytes and disk_write_seconds / disk_read_seconds (I/O thread
     time), disk_fallbacks (direct I/O refused: buffered I/O instead), host_limit_bytes (with or
     without a disk tier). Model weights (``patch_llmcompressor(weights=True)``): the ``weight_*``
-    keys of WEIGHT_COUNTERS.
+    keys (offcache/weights/bookkeeping.py's counters, handed in with ``add_counters``).
 
     Shared mappings (``offcache.weights.node``'s region; process-wide, every engine's):
     shared_mapped_bytes (this process's live mappings of it), shared_registered_bytes (of them,
@@ -67,22 +67,25 @@ def stats() -> dict:
     (fetches reading a mapping) and shared_pinned_fetch_bytes (of them, from registered ones),
     shared_deferred_unmaps (dead mappings waiting for their copies).
     """
-    return {**_C.stats(), **WEIGHT_COUNTERS}
+    out = _engine().stats()
+    for counters in _COUNTERS:
+        out.update(counters)
+    return out
 
 
 def synchronize() -> None:
     """Wait for every copy in flight and return freed blocks to the arena."""
-    _C.synchronize()
+    _engine().synchronize()
 
 
 def empty_cache() -> int:
     """synchronize(), then give every empty arena chunk back to the OS. Returns the bytes released."""
-    return _C.empty_cache()
+    return _engine().empty_cache()
 
 
 def backend_name() -> str:
     """'cuda' or 'host': the backend of the process-wide engine."""
-    return _C.backend_name()
+    return _engine().backend_name()
 
 
 def build_info(version: str) -> dict:
@@ -108,9 +111,10 @@ def store(values: Sequence[Tensor], device: torch.device, allow_spill: bool = Tr
     afterwards. With allow_spill=False a value that does not fit the arena comes back as is.
     """
     values = list(values)
+    engine = _engine()  # configured first: a disk tier it arms is made here, as for any store
     if _disk.pending():
         _disk.make_disk_dir(sum([v.numel() * v.element_size() for v in values]))
-    return _C.store(values, device, allow_spill)
+    return engine.store(values, device, allow_spill)
 
 
 def fetch(stored: Sequence[Tensor], device: torch.device, wait: bool = True) -> tuple[list[Tensor], Ticket]:
@@ -119,7 +123,7 @@ def fetch(stored: Sequence[Tensor], device: torch.device, wait: bool = True) -> 
     wait=True: the current stream of `device` already waits for the copy. Otherwise call
     ``ticket.wait()`` before using the tensors.
     """
-    return _C.fetch(list(stored), device, wait)
+    return _engine().fetch(list(stored), device, wait)
 
 
 def fetch_file(
@@ -139,7 +143,7 @@ def fetch_file(
     """
     likes = [torch.empty(tuple(shape), dtype=dtype, device="meta") for _, shape, dtype in items]
     offsets = [operator.index(offset) for offset, _, _ in items]  # a float offset is a TypeError
-    return _C.fetch_file(os.fspath(path), offsets, likes, device, wait)
+    return _engine().fetch_file(os.fspath(path), offsets, likes, device, wait)
 
 
 def copy_into(dsts: Sequence[Tensor], srcs: Sequence[Tensor], wait: bool = False) -> Ticket:
@@ -155,12 +159,12 @@ def copy_into(dsts: Sequence[Tensor], srcs: Sequence[Tensor], wait: bool = False
     current stream (of the destination's device) waits for the copy; else ``ticket.wait()`` does.
     Bytes count in stats()' d2h_bytes / h2d_bytes.
     """
-    return _C.copy_into(list(dsts), list(srcs), wait)
+    return _engine().copy_into(list(dsts), list(srcs), wait)
 
 
 def set_timing(on: bool) -> None:
     """Time every copy batch with timed events (stats' d2h_seconds / h2d_seconds). Off by default."""
-    _C.set_timing(bool(on))
+    _engine().set_timing(bool(on))
 
 
 def wait_on_host(ticket: Ticket | None) -> None:
@@ -172,19 +176,19 @@ def wait_on_host(ticket: Ticket | None) -> None:
 
 def wait_stored(t: Tensor) -> None:
     """Block until the store that produced `t` has written it, so it can be read directly."""
-    _C.wait_stored(t)
+    _engine().wait_stored(t)
 
 
 def is_arena_tensor(t: Tensor) -> bool:
     """True for a stored tensor in the pinned arena of the current engine."""
-    return _C.is_arena_tensor(t)
+    return _engine().is_arena_tensor(t)
 
 
 def record_stream(t: Tensor, stream: torch.Stream) -> None:
     """``t.record_stream(stream)`` for a fetched tensor: the allocation it lives in is kept from reuse
     until `stream`'s work queued so far is done. A fetched value under 1 MiB is a storage inside one
     allocation shared with the values fetched with it, which ``Tensor.record_stream`` does not reach."""
-    _C.allocation_of(t).record_stream(stream)
+    _engine().allocation_of(t).record_stream(stream)
 
 
 def map_shared(fd: int, offset: int, nbytes: int, ranks: int) -> tuple[Tensor, str]:
@@ -198,78 +202,80 @@ def map_shared(fd: int, offset: int, nbytes: int, ranks: int) -> tuple[Tensor, s
     its pinned budget. The tensor's storage owns the mapping: when it dies the mapping is
     unregistered after the copies reading it, then unmapped.
     """
-    return _C.map_shared(operator.index(fd), operator.index(offset), operator.index(nbytes), operator.index(ranks))
+    return _engine().map_shared(
+        operator.index(fd), operator.index(offset), operator.index(nbytes), operator.index(ranks)
+    )
 
 
 def is_shared_tensor(t: Tensor) -> bool:
     """True for a CPU tensor viewing a mapping made by map_shared()."""
-    return _C.is_shared_tensor(t)
+    return _engine().is_shared_tensor(t)
 
 
 def is_pinned_shared_tensor(t: Tensor) -> bool:
     """True for a CPU tensor viewing a registered mapping made by map_shared()."""
-    return _C.is_pinned_shared_tensor(t)
+    return _engine().is_pinned_shared_tensor(t)
 
 
 def wait_shared_reads(t: Tensor) -> None:
     """Block until the copies reading `t`'s shared mapping completed, so its bytes may be written."""
-    _C.wait_shared_reads(t)
+    _engine().wait_shared_reads(t)
 
 
 def shared_word_add(word: Tensor, delta: int) -> int:
     """Atomically add `delta` to the 8-byte word `word` (shared memory; 0: a load); the new value."""
-    return _C.shared_word_add(word, delta)
+    return _engine().shared_word_add(word, delta)
 
 
 def _fail_register(after: int, reason: str) -> None:
     """Tests only: the registration of chunk `after` of the next map_shared() fails, once."""
-    _C._fail_register(after, reason)
+    _engine()._fail_register(after, reason)
 
 
 def _set_register_chunk(nbytes: int) -> None:
     """Tests only: register shared mappings in chunks of at most `nbytes` (0: 64 GiB)."""
-    _C._set_register_chunk(nbytes)
+    _engine()._set_register_chunk(nbytes)
 
 
 def is_disk_tensor(t: Tensor) -> bool:
     """True for a stored tensor whose bytes live in the disk tier (a mapped file)."""
-    return _C.is_disk_tensor(t)
+    return _engine().is_disk_tensor(t)
 
 
 def is_offcache_tensor(t: Tensor) -> bool:
     """True for a CPU tensor whose memory offcache manages (arena or spilled)."""
-    return _C.is_offcache_tensor(t)
+    return _engine().is_offcache_tensor(t)
 
 
 def trace_start(device: torch.device) -> None:
     """Record copy batches from now on, timed from an event on `device`'s current stream."""
-    _C.trace_start(device)
+    _engine().trace_start(device)
 
 
 def trace_stop() -> list[dict]:
     """The copy batches since trace_start: stream ('d2h'/'h2d'), bytes, start_ms, end_ms."""
-    return _C.trace_stop()
+    return _engine().trace_stop()
 
 
 def _fail_next_copy() -> None:
     """Tests only: the next host-backend copy call queues its copies, then raises."""
-    _C._fail_next_copy()
+    _engine()._fail_next_copy()
 
 
 def _fail_next_task() -> None:
     """Tests only: the next host copy task fails on its worker thread (as a CUDA event wait can)."""
-    _C._fail_next_task()
+    _engine()._fail_next_task()
 
 
 def _fail_query_after(skip: int, transient: bool = False) -> bool:
     """Tests only: the event query after the next `skip` ones raises, once (transient: as during
     another thread's CUDA graph capture, a state asked again later; else as on a broken context).
     skip < 0 disarms. Returns whether a fault armed before had not fired yet."""
-    return _C._fail_query_after(skip, transient)
+    return _engine()._fail_query_after(skip, transient)
 
 
 def warn_if_spilled(stacklevel: int = 2) -> None:
     """Emit the engine's one-time spill notice as a SpillWarning pointing at the caller's caller."""
-    notice = _C.take_spill_notice()
+    notice = _engine().take_spill_notice()
     if notice:
         warnings.warn(notice, SpillWarning, stacklevel=stacklevel + 1)

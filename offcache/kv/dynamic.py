@@ -43,10 +43,19 @@ try:
 except ModuleNotFoundError as _missing:  # one line naming the extra, as offcache.OffloadedKVCache gives
     raise as_missing(_missing, "transformers", "kv", "offcache.kv.dynamic") from None
 
-from offcache.kv.dynamic_layers import OffloadedLayer, OffloadedSlidingLayer, _Offloaded
+from offcache.kv.dynamic_layers import DynamicOffloaded, OffloadedLayer, OffloadedSlidingLayer
 from offcache.kv.static import OffloadedStaticKVCache  # noqa: F401  (the static one, for offcache.__getattr__)
 
-__all__ = ["OffloadedKVCache", "OffloadedLayer", "OffloadedSlidingLayer", "_Offloaded", "cache_kwarg"]
+__all__ = [
+    "DynamicOffloaded",
+    "OffloadedKVCache",
+    "OffloadedLayer",
+    "OffloadedSlidingLayer",
+    "_Offloaded",
+    "cache_kwarg",
+]
+
+_Offloaded = DynamicOffloaded  # its name before layout step 2 (docs/changelog.md), kept: __all__ lists it
 
 
 @functools.cache
@@ -100,7 +109,11 @@ class OffloadedKVCache(DynamicCache):
         """Every layer empty, as a new cache: resident dynamic layers are dropped as transformers 5.24's are
         (before it, they were zeroed and kept their length, so the next tokens followed zeros)."""
         for layer in self.layers:
-            if isinstance(layer, _Offloaded) or "reset" in vars(DynamicLayer) or not isinstance(layer, DynamicLayer):
+            if (
+                isinstance(layer, DynamicOffloaded)
+                or "reset" in vars(DynamicLayer)
+                or not isinstance(layer, DynamicLayer)
+            ):
                 layer.reset()
             else:  # transformers' own reset first: a hybrid layer's linear-attention states too
                 layer.reset()
@@ -114,7 +127,7 @@ class OffloadedKVCache(DynamicCache):
         n, out = len(self.layers), []
         for step in range(1, n):
             i = (layer_idx + step) % n
-            if isinstance(self.layers[i], _Offloaded):
+            if isinstance(self.layers[i], DynamicOffloaded):
                 out.append(i)
                 if len(out) == self.prefetch_depth:
                     break

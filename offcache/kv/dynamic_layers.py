@@ -74,7 +74,7 @@ def _source(t: torch.Tensor) -> torch.Tensor:
     return t if _engine.is_offcache_tensor(t) else t.contiguous()
 
 
-class _Offloaded(OffloadedLayerBase):
+class DynamicOffloaded(OffloadedLayerBase):
     """A layer's arena buffers, its device K/V in flight (the prefetch) and transformers' operations on the
     buffers, shared by the layer classes."""
 
@@ -321,7 +321,7 @@ class _Offloaded(OffloadedLayerBase):
             self._host_k, self._host_v = self._new_buffers([self._host_k, self._host_v], self._len, wait=True)
 
 
-class OffloadedLayer(_Offloaded, DynamicLayer):
+class OffloadedLayer(DynamicOffloaded, DynamicLayer):
     """A full-attention layer whose K/V live in one arena buffer each between steps, appended in place."""
 
     def __init__(self, compact_every: int | None = None, **kwargs):
@@ -377,7 +377,7 @@ class OffloadedLayer(_Offloaded, DynamicLayer):
         self._next_n = 1
 
 
-class OffloadedSlidingLayer(_Offloaded, DynamicSlidingWindowLayer):
+class OffloadedSlidingLayer(DynamicOffloaded, DynamicSlidingWindowLayer):
     """A sliding-window layer offloaded too (``offload_sliding=True``): its window moves whole."""
 
     _shadow_class = DynamicSlidingWindowLayer

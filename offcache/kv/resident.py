@@ -16,7 +16,7 @@ except ModuleNotFoundError as _missing:  # one line naming the extra, as offcach
     raise as_missing(_missing, "transformers", "kv", "offcache.kv.static") from None
 
 
-def _tokens_to_remove(tokens_to_remove: int, current: int) -> int:
+def crop_count(tokens_to_remove: int, current: int) -> int:
     """transformers' crop argument: negative, tokens to remove; positive (legacy), the length to keep,
     where the installed transformers still takes that form."""
     if tokens_to_remove > 0:
@@ -35,7 +35,7 @@ def _refuse_positive_crop(tokens_to_remove: int) -> None:
         DynamicLayer().crop(tokens_to_remove)  # an empty layer: raises, warns, or keeps all
 
 
-def _check_croppable(layer, remove: int) -> None:
+def check_croppable(layer, remove: int) -> None:
     """A sliding layer past its window has dropped tokens: cropping cannot bring them back."""
     if remove and getattr(layer, "is_sliding", False) and layer.get_seq_length() > layer.max_cache_len:
         raise RuntimeError(
@@ -44,7 +44,7 @@ def _check_croppable(layer, remove: int) -> None:
         )
 
 
-def _resident_op(layer, op: str, arg) -> None:
+def resident_op(layer, op: str, arg) -> None:
     """crop / batch_repeat_interleave / batch_select_indices on a resident ``StaticLayer`` or
     ``StaticSlidingWindowLayer`` (exactly those: a subclass's own state, as a hybrid layer's linear-attention
     states, is not touched here). StaticCache's layers have no batch operations."""
@@ -52,8 +52,8 @@ def _resident_op(layer, op: str, arg) -> None:
         return
     if op == "crop":
         current = int(layer.get_seq_length())
-        remove = _tokens_to_remove(arg, current)
-        _check_croppable(layer, remove)
+        remove = crop_count(arg, current)
+        check_croppable(layer, remove)
         if hasattr(layer, "cumulative_length_int"):
             layer.cumulative_length_int -= remove
         layer.cumulative_length.sub_(remove)

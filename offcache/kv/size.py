@@ -120,8 +120,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
 
     if a.config:
-        from offcache.util.config import load_config
         from offcache.util.extras import MissingExtraError
+        from offcache.util.model_config import load_config
 
         try:
             config = load_config(a.config)

@@ -58,7 +58,7 @@ except ModuleNotFoundError as _missing:  # one line naming the extra, as offcach
 from offcache import engine as _engine
 from offcache.kv.counters import count as _count
 from offcache.kv.layer import OffloadedLayerBase
-from offcache.kv.resident import _check_croppable, _resident_op, _tokens_to_remove  # noqa: F401  (tests use _resident_op)
+from offcache.kv.resident import check_croppable, crop_count, resident_op
 
 _CPU = torch.device("cpu")
 
@@ -276,8 +276,8 @@ class _StaticOffloaded(OffloadedLayerBase):
     def crop(self, tokens_to_remove: int) -> None:
         if not self.is_initialized:
             return
-        remove = _tokens_to_remove(tokens_to_remove, int(self.get_seq_length()))
-        _check_croppable(self, remove)
+        remove = crop_count(tokens_to_remove, int(self.get_seq_length()))
+        check_croppable(self, remove)
         if remove:
             self._drop_prefetch()
             self._shorten(remove)  # positions past the length are zeroed in the device buffer when taken
@@ -384,7 +384,7 @@ class OffloadedStaticSlidingLayer(_StaticOffloaded, StaticSlidingWindowLayer):
         _count(kv_layer_updates=1, kv_new_token_bytes=key_states.nbytes + value_states.nbytes)
         return keys, values
 
-    def _shorten(self, remove: int) -> None:  # only before the window dropped anything (_check_croppable)
+    def _shorten(self, remove: int) -> None:  # only before the window dropped anything (check_croppable)
         self.cumulative_length_int -= remove
         self.cumulative_length.sub_(remove)
 
@@ -394,7 +394,7 @@ class OffloadedStaticSlidingLayer(_StaticOffloaded, StaticSlidingWindowLayer):
         self.cumulative_length.zero_()
 
 
-# The resident layers that _resident_op handles: its crop and batch operations are theirs exactly. Any
+# The resident layers that resident_op handles: its crop and batch operations are theirs exactly. Any
 # other layer (a subclass too: a hybrid one also holds linear-attention states) runs its own.
 _PLAIN_STATIC = (StaticLayer, StaticSlidingWindowLayer)
 
@@ -487,7 +487,7 @@ class OffloadedStaticKVCache(StaticCache):
     def _each(self, op: str, arg) -> None:
         for layer in self.layers:
             if type(layer) in _PLAIN_STATIC:
-                _resident_op(layer, op, arg)
+                resident_op(layer, op, arg)
             else:  # ours; linear, hybrid, indexed and dummy layers: their own (or transformers' error), as
                 getattr(layer, op)(arg)  # StaticCache calls it (a hybrid layer's crop rolls its states back too)
 

@@ -33,7 +33,7 @@ from offcache.engine import machine as _machine
 from offcache.plan import ranks as plan_ranks
 from offcache.plan import sim as plan_sim
 from offcache.plan import trace as plan_trace
-from offcache.util.config import load_config
+from offcache.util.model_config import load_config
 from offcache.util.units import bytes_text as _h
 
 GiB = 1 << 30
@@ -316,7 +316,7 @@ def _tiers(peak: int, settings: dict) -> Tiers:
     free = 0
     if disk_dir:
         try:
-            st = os.statvfs(_machine._existing(disk_dir))  # made when first needed
+            st = os.statvfs(_machine.existing_folder(disk_dir))  # made when first needed
             free = st.f_bavail * st.f_frsize
         except OSError:
             free = 0

@@ -1,5 +1,5 @@
 """OffcacheCPUCache and OffcacheDiskCache: compressed-tensors' CPUCache and DiskCache with their device
-moves on the offcache engine (offcache.weights.compressed_tensors explains the whole; this file holds
+moves on the offcache engine (offcache/weights/ct_patch.py explains the whole; this file holds
 the two classes and the onload they share)."""
 
 from __future__ import annotations
@@ -23,15 +23,10 @@ except ModuleNotFoundError as _missing:  # one line naming the extra
 
 
 from offcache import engine as _engine
-from offcache.weights.bookkeeping import (
-    _drop_prefetched,
-    _flush,
-    _state,
-    _take_prefetched,
-    _wait,
-)
+from offcache.weights.bookkeeping import WEIGHTS, WeightState, onload_device
 from offcache.weights.files import forget as _forget
 from offcache.weights.files import locate as _locate
+from offcache.weights.interface import WeightCache
 
 _CPU = torch.device("cpu")
 # compressed-tensors 0.20's DiskCache.onload casts to the index's dtype, then copies the class (a
@@ -43,25 +38,12 @@ try:
 except ImportError:
     _CAST_FIRST = False
 Tensor = torch.Tensor
-COUNTERS = _engine.WEIGHT_COUNTERS
-
-
-def prefetch_depth() -> int:
-    """Subgraphs whose weights are fetched ahead: OFFCACHE_WEIGHT_PREFETCH (0, 1 or k; default 1)."""
-    raw = os.environ.get("OFFCACHE_WEIGHT_PREFETCH", "").strip() or "1"
-    try:
-        k = int(raw)
-    except ValueError:
-        k = -1
-    if k < 0:
-        raise ValueError(f"OFFCACHE_WEIGHT_PREFETCH must be an integer >= 0, got {raw!r}")
-    return k
 
 
 # --- the cache classes -------------------------------------------------------------------------
 
 
-def _like(new: Tensor, like: Tensor, onloaded: bool = False) -> Tensor:
+def with_class_of(new: Tensor, like: Tensor, onloaded: bool = False) -> Tensor:
     """`new` with the tensor subclass and attributes of `like`, as compressed-tensors' send_tensors.
 
     An onloaded copy does not require grad, as ``Tensor.to`` under no_grad gives it.
@@ -74,40 +56,7 @@ def _like(new: Tensor, like: Tensor, onloaded: bool = False) -> Tensor:
     return new
 
 
-def _onload_device(cache) -> torch.device:
-    device = torch.device(cache.onload_device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def _onload(cache, offloaded: Tensor | None) -> Tensor | None:
-    """The engine's onload for both cache classes: a prefetched copy, else a fetch of the source."""
-    if offloaded is None:
-        return None
-    device = _onload_device(cache)
-    nbytes = offloaded.nbytes
-    COUNTERS["weight_onload_bytes"] += nbytes
-    current = _state.current
-    onloaded = _take_prefetched(offloaded, device)
-    if onloaded is not None:
-        COUNTERS["weight_prefetch_hits"] += 1
-        if current is not None:
-            current.hits += 1
-            current.onloaded_bytes += nbytes
-            current.prefetched_bytes += nbytes
-        return onloaded
-    if _state.patched and prefetch_depth() > 0:
-        COUNTERS["weight_prefetch_misses"] += 1
-    if current is not None:
-        current.misses += 1
-        current.onloaded_bytes += nbytes
-    ((fetched, ticket),) = cache._fetch([offloaded], device)
-    _wait(ticket, device)
-    return cache._finish(fetched, offloaded)
-
-
-def _fetch_host(offloaded: list[Tensor], device: torch.device) -> list[tuple[Tensor, Any]]:
+def fetch_host(offloaded: list[Tensor], device: torch.device) -> list[tuple[Tensor, Any]]:
     """One engine fetch of host tensors to `device`: (copy, ticket) each, not waited for.
 
     The arena blocks' own fences order later write-backs after these reads.
@@ -124,27 +73,16 @@ def _stage_host(tensor: Tensor, pin_memory: bool) -> Tensor:
     with torch.no_grad():
         (stored,) = _engine.store([tensor], _CPU, allow_spill=False)
     _engine.wait_stored(stored)
-    return _like(stored, tensor)
+    return with_class_of(stored, tensor)
 
 
-class EngineCache:
+class EngineCache(WeightCache):
     """What every cache onloading through the engine shares (before its compressed-tensors base):
-    a host read or a delete drops a tensor's prefetched copy; the prefetcher's hooks.
-
-    ``offcache.weights.compressed_tensors.prefetch`` fetches ahead the weights of caches of this
-    class, with their ``_fetch``; ``_prefetchable`` says whether a fetch ahead is worth issuing,
-    ``_tag`` what to remember of the source when it is issued, and ``_fresh`` (at the onload,
-    after the copy landed) whether the copy still holds the source's value by that tag.
+    the weight-cache interface (offcache/weights/interface.py) on the process's ``WeightState``; a
+    host read or a delete drops a tensor's prefetched copy.
     """
 
-    def _prefetchable(self, offloaded: Tensor, device: torch.device) -> bool:
-        return True
-
-    def _tag(self, offloaded: Tensor) -> Any:
-        return None
-
-    def _fresh(self, offloaded: Tensor, tag: Any) -> bool:
-        return True
+    state: WeightState = WEIGHTS
 
     def __getitem__(self, key):
         # Under disable_onloading() the caller reads the offloaded host tensor (a disk offload's
@@ -154,14 +92,14 @@ class EngineCache:
         if self.onloading_disabled:
             offloaded = self.offloaded_values[key]
             if offloaded is not None and offloaded.device.type != "meta":
-                _flush(offloaded)
-                _drop_prefetched(offloaded)
+                self.state.flush(offloaded)
+                self.state.drop_prefetched(offloaded)
         return super().__getitem__(key)
 
     def __delitem__(self, key):
         offloaded = self.offloaded_values[key]
         if offloaded is not None:
-            _drop_prefetched(offloaded)
+            self.state.drop_prefetched(offloaded)
         super().__delitem__(key)
 
 
@@ -187,21 +125,21 @@ class OffcacheCPUCache(EngineCache, CPUCache):
         # once, when a model is dispatched; the pipeline's traffic is onloads and write-backs.
         _engine.wait_stored(stored)
         _engine.warn_if_spilled(stacklevel=3)
-        return _like(stored, tensor)
+        return with_class_of(stored, tensor)
 
     def onload(self, offloaded: Tensor | None) -> Tensor | None:
         """A copy of `offloaded` on the onload device: the prefetched one if there is one."""
-        return _onload(self, offloaded)
+        return self.state.onload(self, offloaded)
 
-    def _prefetchable(self, offloaded: Tensor, device: torch.device) -> bool:
+    def prefetchable(self, offloaded: Tensor, device: torch.device) -> bool:
         # A CPU tensor offcache does not hold, onloaded to the CPU: a fetch hands it back itself.
         return device.type != "cpu" or _engine.is_offcache_tensor(offloaded)
 
-    def _fetch(self, offloaded: list[Tensor], device: torch.device) -> list[tuple[Tensor, Any]]:
-        return _fetch_host(offloaded, device)
+    def fetch(self, offloaded: list[Tensor], device: torch.device) -> list[tuple[Tensor, Any]]:
+        return fetch_host(offloaded, device)
 
-    def _finish(self, fetched: Tensor, offloaded: Tensor) -> Tensor:
-        return _like(fetched, offloaded, onloaded=True)
+    def finish(self, fetched: Tensor, offloaded: Tensor) -> Tensor:
+        return with_class_of(fetched, offloaded, onloaded=True)
 
     def stage(self, offloaded: Tensor | None, pin_memory: bool = False) -> Tensor | None:
         """compressed-tensors 0.20's staging: `offloaded` in host memory for a later onload.
@@ -212,7 +150,7 @@ class OffcacheCPUCache(EngineCache, CPUCache):
         """
         if offloaded is None:
             return None
-        _flush(offloaded)
+        self.state.flush(offloaded)
         return _stage_host(offloaded, pin_memory)
 
     @torch.no_grad()
@@ -224,7 +162,7 @@ class OffcacheCPUCache(EngineCache, CPUCache):
         """
         if data is None:
             return
-        _drop_prefetched(offloaded)
+        self.state.drop_prefetched(offloaded)
         if not _engine.is_offcache_tensor(offloaded):
             # Not offcache's (assigned under disable_onloading()): no fences order the engine's
             # reads of it, so every copy in flight lands first; then CPUCache's own copy.
@@ -241,16 +179,14 @@ class OffcacheCPUCache(EngineCache, CPUCache):
             _engine.synchronize()
             offloaded.copy_(src)
             return
-        COUNTERS["weight_writeback_bytes"] += offloaded.nbytes
-        if _state.current is not None:
-            _state.current.written_back_bytes += offloaded.nbytes
+        state = self.state
+        state.counters["weight_writeback_bytes"] += offloaded.nbytes
+        if state.current is not None:
+            state.current.written_back_bytes += offloaded.nbytes
         # The engine orders copies into one block (write after write), so the last one wins.
-        _state.pending[id(offloaded)] = (offloaded, ticket)
-        if _state.current is None:
-            _flush(offloaded)  # outside a patched context nothing marks an end: land it now
-
-
-_READS: dict[str, Any] = {}  # real file path -> the ticket of the last fetch that read it
+        state.pending[id(offloaded)] = (offloaded, ticket)
+        if state.current is None:
+            self.state.flush(offloaded)  # outside a patched context nothing marks an end: land it now
 
 
 class _Ready:
@@ -285,7 +221,7 @@ class OffcacheDiskCache(EngineCache, DiskCache):
     def onload(self, offloaded: Tensor | None) -> Tensor | None:
         """A copy of `offloaded` on the onload device: read from its file (a meta tensor), or,
         once staged (compressed-tensors 0.20's ``is_staged``), fetched from the staged host copy."""
-        return _onload(self, offloaded)
+        return self.state.onload(self, offloaded)
 
     def stage(self, offloaded: Tensor | None, pin_memory: bool = False) -> Tensor | None:
         """compressed-tensors 0.20's staging: the weight read from its file into host memory
@@ -296,12 +232,12 @@ class OffcacheDiskCache(EngineCache, DiskCache):
             return None
         if offloaded.device.type != "meta":
             return _stage_host(offloaded, pin_memory)
-        ((fetched, ticket),) = self._fetch([offloaded], _CPU)
-        _wait(ticket, _CPU)
-        staged = self._finish(fetched, offloaded)
+        ((fetched, ticket),) = self.fetch([offloaded], _CPU)
+        self.state.wait(ticket, _CPU)
+        staged = self.finish(fetched, offloaded)
         return _stage_host(staged, pin_memory and torch.device(self.onload_device).type != "cpu")
 
-    def _fetch(self, offloaded: list[Tensor], device: torch.device) -> list[tuple[Tensor, Any]]:
+    def fetch(self, offloaded: list[Tensor], device: torch.device) -> list[tuple[Tensor, Any]]:
         """(copy, ticket) of each offloaded tensor, read from its file: one engine call per file.
 
         A staged tensor (host memory, not meta) is fetched from the host instead."""
@@ -309,7 +245,7 @@ class OffcacheDiskCache(EngineCache, DiskCache):
         by_file: dict[str, list[tuple[int, tuple]]] = {}
         staged = [i for i, t in enumerate(offloaded) if t.device.type != "meta"]
         if staged:
-            for i, pair in zip(staged, _fetch_host([offloaded[i] for i in staged], device)):
+            for i, pair in zip(staged, fetch_host([offloaded[i] for i in staged], device)):
                 out[i] = pair
         for i, meta in enumerate(offloaded):
             if out[i] is not None:
@@ -323,17 +259,18 @@ class OffcacheDiskCache(EngineCache, DiskCache):
                 by_file.setdefault(real, []).append((i, where))
         for real, entries in by_file.items():
             tensors, ticket = _engine.fetch_file(real, [where for _, where in entries], device, wait=False)
-            _READS[real] = ticket
+            self.state.reads[real] = ticket
             for (i, _), tensor in zip(entries, tensors):
                 out[i] = (tensor, ticket)
-        if len(_READS) > 1024:  # a model's worth of files: keep the reads still in flight only
-            for path in [p for p, t in _READS.items() if t.query()]:
-                del _READS[path]
+        reads = self.state.reads
+        if len(reads) > 1024:  # a model's worth of files: keep the reads still in flight only
+            for path in [p for p, t in reads.items() if t.query()]:
+                del reads[path]
         return out
 
     def _read_upstream(self, meta: Tensor, device: torch.device) -> Tensor:
         """DiskCache's own read of `meta` (a dtype offcache does not parse) onto `device`, unfinished."""
-        if device == _onload_device(self):
+        if device == onload_device(self):
             staged = getattr(self, "is_staged", False)  # 0.20's onload reads the file unless staged
             if staged:
                 self.is_staged = False
@@ -344,9 +281,9 @@ class OffcacheDiskCache(EngineCache, DiskCache):
                     self.is_staged = True
         return super().stage(meta).to(device)  # staging (0.20) reads onto the CPU
 
-    def _finish(self, fetched: Tensor, offloaded: Tensor) -> Tensor:
+    def finish(self, fetched: Tensor, offloaded: Tensor) -> Tensor:
         if offloaded.device.type != "meta":  # staged: as DiskCache's onload of a staged tensor
-            return _like(fetched, offloaded, onloaded=True)
+            return with_class_of(fetched, offloaded, onloaded=True)
         # As the installed DiskCache.onload: the index's dtype and the offloaded tensor's class and
         # attributes, in its order (0.20 casts first: a Parameter; 0.19 copies the class first).
         dtype = getattr(torch, self.index[offloaded]["dtype"])
@@ -357,13 +294,13 @@ class OffcacheDiskCache(EngineCache, DiskCache):
     def update_offload(self, offloaded: Tensor, data: Tensor | None):
         if offloaded.device.type != "meta":  # staged (0.20): a host tensor, updated as CPUCache's
             return OffcacheCPUCache.update_offload(self, offloaded, data)
-        _drop_prefetched(offloaded)
+        self.state.drop_prefetched(offloaded)
         # DiskCache rewrites its own file in place (truncating it): no read of it may still be
         # in flight then (it would fail at the new end, or read the new bytes). A checkpoint
         # symlink is only unlinked (the checkpoint is never written): its reads may go on.
         name = self.index[offloaded]["safetensors_file"]
         path = os.path.realpath(name)
-        reading = None if os.path.islink(name) else _READS.pop(path, None)
+        reading = None if os.path.islink(name) else self.state.reads.pop(path, None)
         if reading is not None and not reading.query():
             _engine.synchronize()
         _forget(path)

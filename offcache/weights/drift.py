@@ -1,7 +1,7 @@
 """The drift guard for compressed-tensors: what offcache's cache subclasses rely on, checked
 before anything is patched.
 
-``OffcacheCPUCache`` and ``OffcacheDiskCache`` (offcache/weights/compressed_tensors.py) subclass
+``OffcacheCPUCache`` and ``OffcacheDiskCache`` (offcache/weights/caches.py) subclass
 compressed-tensors' ``CPUCache`` and ``DiskCache``: compressed-tensors calls their overrides, and
 they call compressed-tensors' methods and read its ``DiskCache.index``. A release that changes one
 of these would break a run partway through (a ``TypeError`` in an onload, a ``KeyError`` in an
@@ -120,12 +120,26 @@ def _setitem_differences(cpu_cls, base_cls) -> list[str]:
     ]
 
 
+def _interface_differences(classes) -> list[str]:
+    """The weight-cache interface's names (offcache/weights/interface.py) must be offcache's alone: a
+    compressed-tensors class defining one would call offcache's method where it meant its own."""
+    from offcache.weights.interface import NAMES
+
+    return [
+        f"{cls.__name__}.{name} exists: offcache's weight caches define {name} (offcache/weights/interface.py)"
+        for cls in classes
+        for name in NAMES
+        if any(name in vars(k) for k in cls.__mro__)
+    ]
+
+
 def differences() -> list[str]:
     """What differs between the installed compressed-tensors and what offcache relies on."""
     from compressed_tensors.offload.cache import CPUCache, DiskCache, OffloadCache
 
     diffs = _signature_differences(CPUCache, EXPECTED["CPUCache"])
     diffs += _signature_differences(DiskCache, EXPECTED["DiskCache"])
+    diffs += _interface_differences((CPUCache, DiskCache))
     for probe in (lambda: _index_differences(DiskCache), lambda: _setitem_differences(CPUCache, OffloadCache)):
         try:
             diffs += probe()

@@ -1,6 +1,6 @@
 """Where a tensor lies in a safetensors file: its header parsed once per file version (torch only).
 
-``offcache.weights.compressed_tensors.OffcacheDiskCache`` reads the tensors it locates here with the
+``offcache.weights.caches.OffcacheDiskCache`` reads the tensors it locates here with the
 engine's ``fetch_file``; this module needs neither compressed-tensors nor llm-compressor.
 """
 

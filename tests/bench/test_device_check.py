@@ -79,10 +79,7 @@ def test_the_gpu_steps_workload_is_the_one_its_time_was_scaled_to():
     scaled = gpu["h200_s"] * h200_workers / h200_tests * gpu["tests"] / gpu["workers"]
     assert abs(scaled - gpu["expected_s"]) < 0.5, (scaled, gpu)
     log = (ROOT / "benchmarks" / "results" / "2026-12-04-h200-diag-gpu-tests.log").read_text()
-    assert (
-        f"in {gpu['h200_s']}s" in log
-        and "-n 8" in (ROOT / "benchmarks/results/2026-12-04-h200-diag-script.sh").read_text()
-    )
+    assert f"in {gpu['h200_s']}s" in log and "-n 8" in (ROOT / "benchmarks/diag.sh").read_text()
     text = SCRIPT.read_text()
     assert re.search(r"CMD\[gpu\]=.*\$\(nproc\)", text), "the gpu step runs on every core, as its time assumes"
     assert "--durations" in re.search(r"CMD\[gpu\]=(.*)", text).group(1), (
@@ -115,9 +112,9 @@ def test_the_gpu_tests_carry_what_was_left_for_a_gpu():
     the gpu step runs them (the sliced mode skips below two GPUs, saying so: -rs)."""
     tests = ROOT / "tests"
     for path, marker in (("engine/test_gpu_allocators.py", "pytest.mark.gpu"),
-                         ("weights/test_gpu_weights_node.py", "pytest.mark.gpu")):  # fmt: skip
+                         ("weights/node/test_gpu_weights_node.py", "pytest.mark.gpu")):  # fmt: skip
         assert marker in (tests / path).read_text(), path
-    assert "OFFCACHE_TEST_PG" in (tests / "weights/test_gpu_weights_node.py").read_text()
+    assert "OFFCACHE_TEST_PG" in (tests / "weights/node/test_gpu_weights_node.py").read_text()
     assert "-rfEs" in SCRIPT.read_text()
 
 

@@ -5,6 +5,7 @@ import torch
 
 import offcache
 from offcache import engine as _engine
+from offcache.engine import config as _config
 
 GiB = 1 << 30
 
@@ -80,7 +81,7 @@ def test_edges_of_the_ranges_are_accepted(engine_config, monkeypatch):
     engine_config()
     assert offcache.stats()["pinned_limit_bytes"] == 3 << 19
     assert offcache.build_info()["backend"] == "host"
-    engine_config(backend="host", min_chunk=1, host_copy_delay_us=_engine._MAX_DELAY_US, max_in_flight=0)
+    engine_config(backend="host", min_chunk=1, host_copy_delay_us=_config._MAX_DELAY_US, max_in_flight=0)
 
 
 def test_blank_variables_count_as_unset(engine_config, monkeypatch):

@@ -8,6 +8,7 @@ import torch
 import offcache
 from offcache import IntermediatesCache
 from offcache import engine as _engine
+from offcache.engine import loader as _loader
 from tests.helpers import CPU
 
 COUNTERS = ("events_created", "events_recorded", "stream_waits", "copy_calls", "host_callbacks", "syncs")
@@ -103,9 +104,9 @@ def test_outputs_sharing_an_allocation_live_and_die_independently(host_engine):
     gc.collect()
     assert [r() is None for r in refs] == [True, True, True, False, True]
     assert torch.equal(keep, values[3])  # the shared allocation lives while one output does
-    assert _engine._C.allocation_of(keep) is not None and _engine._C.allocation_of(keep).numel() >= 5 * 32 * 4
+    assert _loader._C.allocation_of(keep) is not None and _loader._C.allocation_of(keep).numel() >= 5 * 32 * 4
     keep.resize_(1000).fill_(7.0)  # grown: memory of its own, from the span's allocator
-    assert _engine._C.allocation_of(keep) is keep
+    assert _loader._C.allocation_of(keep) is keep
     assert keep.untyped_storage().nbytes() == 4000
 
 

@@ -16,6 +16,7 @@ from offcache import IntermediatesCache
 from offcache import engine as _engine
 from offcache.engine import config as engine_settings
 from offcache.engine import disk_dir
+from offcache.engine import loader as _loader
 from offcache.engine import machine as _machine
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -133,8 +134,8 @@ def test_far_from_the_host_limit_an_update_does_not_ask_the_engine_for_its_stats
     engine_config(backend="host", host_limit="1GiB")
     assert disk_dir.pending()
     calls = []
-    real = _engine._C.stats
-    monkeypatch.setattr(_engine._C, "stats", lambda: calls.append(1) or real())
+    real = _loader._C.stats
+    monkeypatch.setattr(_loader._C, "stats", lambda: calls.append(1) or real())
     cache = IntermediatesCache.empty(0, "cpu")
     for i in range(200):
         cache.append({"x": torch.full((256,), float(i)), "y": torch.ones(3)})
@@ -349,6 +350,7 @@ PAYLOAD = """
 import sys, torch, offcache
 from offcache import IntermediatesCache
 from offcache import engine as _engine
+from offcache.engine import loader as _loader
 n, size = 24, 128 << 20
 s = _engine.settings()
 print("limits", s["host_limit"], s["pinned_limit"], s["disk_dir"] or s["disk_auto_reason"], flush=True)

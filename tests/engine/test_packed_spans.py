@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import offcache
 from offcache import engine as _engine
+from offcache.engine import loader as _loader
 from tests.helpers import CPU
 
 SPAN_FLOOR = 256 << 10  # a span may always reach this much (docs/limits.md)
@@ -19,7 +20,7 @@ ALIGN = 64
 
 
 def _span_bytes(t: torch.Tensor) -> int:
-    return _engine._C.allocation_of(t).untyped_storage().nbytes()
+    return _loader._C.allocation_of(t).untyped_storage().nbytes()
 
 
 def _spans(outputs):
@@ -27,7 +28,7 @@ def _spans(outputs):
     groups = {}
     for o in outputs:
         if o.numel():
-            groups.setdefault(_engine._C.allocation_of(o).data_ptr(), []).append(o)
+            groups.setdefault(_loader._C.allocation_of(o).data_ptr(), []).append(o)
     return groups
 
 

@@ -7,6 +7,7 @@ import torch
 
 import offcache
 from offcache import engine as _engine
+from offcache.engine import ops as _ops
 from tests.helpers import CPU, run_with_this_checkout
 
 
@@ -16,9 +17,9 @@ def test_synchronize_waits_through_a_query_unknown_for_now(engine_config):
     engine_config(backend="host", host_copy_delay_us=20000, disk_dir="none")
     x = torch.randn(1 << 12)
     (stored,) = _engine.store([x], CPU)  # its copy still in flight
-    _engine._fail_query_after(0, transient=True)  # synchronize's first query
+    _ops._fail_query_after(0, transient=True)  # synchronize's first query
     offcache.synchronize()
-    assert not _engine._fail_query_after(-1)  # the fault fired inside synchronize()
+    assert not _ops._fail_query_after(-1)  # the fault fired inside synchronize()
     assert offcache.stats()["in_flight_bytes"] == 0
     assert torch.equal(stored, x)
 
@@ -46,14 +47,14 @@ def test_a_query_unknown_for_now_anywhere_fails_no_call(engine_config, rounds):
     engine_config(backend="host", host_copy_delay_us=1000, disk_dir="none")
     for skip in range(400):
         x = torch.arange(4096, dtype=torch.float32) + skip
-        _engine._fail_query_after(skip, transient=True)
+        _ops._fail_query_after(skip, transient=True)
         s, outs = _fetches_and_writes(x, rounds)
         del s  # its block waits for every fence
         for y, ticket, want in outs:
             ticket.wait()
             assert torch.equal(y, want), skip
         offcache.synchronize()
-        fired = not _engine._fail_query_after(-1)
+        fired = not _ops._fail_query_after(-1)
         s = offcache.stats()
         assert s["in_flight_bytes"] == 0 and s["deferred_bytes"] == 0 and s["leaked_blocks"] == 0
         if not fired:
@@ -66,12 +67,13 @@ def test_a_query_unknown_for_now_anywhere_fails_no_call(engine_config, rounds):
 _STICKY = r"""
 import torch, offcache
 from offcache import engine as _engine
+from offcache.engine import ops as _ops
 from tests.engine.test_query_faults import _fetches_and_writes
 
 x = torch.arange(4096, dtype=torch.float32)
 for skip in range(SKIPS):
     offcache.configure(backend="host", host_copy_delay_us=2000, disk_dir="none")  # a fresh engine
-    _engine._fail_query_after(skip)  # as on a broken context: the call that asks raises
+    _ops._fail_query_after(skip)  # as on a broken context: the call that asks raises
     outs = []
     try:
         s, outs = _fetches_and_writes(x, 9)
@@ -85,7 +87,7 @@ for skip in range(SKIPS):
         offcache.synchronize()
     except RuntimeError as e:
         assert "injected event-query failure" in str(e), e
-    _engine._fail_query_after(-1)
+    _ops._fail_query_after(-1)
     (again,), _ = _engine.fetch(_engine.store([x], torch.device("cpu")), torch.device("cpu"))
     assert torch.equal(again, x)
 print("survived", flush=True)
@@ -103,6 +105,7 @@ def test_a_query_that_fails_part_way_through_a_fence_list_leaves_no_empty_fence(
 _SHARED = r"""
 import os, torch, offcache
 from offcache import engine as _engine
+from offcache.engine import ops as _ops
 
 cpu = torch.device("cpu")
 fd = os.memfd_create("offcache-test-region")
@@ -116,7 +119,7 @@ for transient in (True, False):
         values = region.view(torch.float32)
         values.copy_(torch.arange(1 << 14, dtype=torch.float32) + skip)
         want = values.clone()
-        _engine._fail_query_after(skip, transient=transient)
+        _ops._fail_query_after(skip, transient=transient)
         outs = []
         try:
             for k in range(8):  # 8 fences on the span, pruned from the fifth on (queries)
@@ -132,7 +135,7 @@ for transient in (True, False):
             offcache.stats()
         except RuntimeError as e:
             assert not transient and "injected event-query failure" in str(e), (transient, skip, e)
-        fired = not _engine._fail_query_after(-1)
+        fired = not _ops._fail_query_after(-1)
         fired_somewhere[transient] += fired
         del region, values, outs
         offcache.synchronize()

@@ -12,6 +12,7 @@ import offcache
 from offcache import IntermediatesCache
 from offcache import engine as _engine
 from offcache.engine import machine as _machine
+from offcache.engine import ops as _ops
 from tests.helpers import run_with_this_checkout
 
 
@@ -139,7 +140,7 @@ def test_a_failing_copy_task_is_an_error_at_the_next_call_not_an_abort(engine_co
     x = torch.randn(1000)
     _engine.store([x], torch.device("cpu"))
     offcache.synchronize()
-    _engine._fail_next_task()
+    _ops._fail_next_task()
     (broken,) = _engine.store([x * 2], torch.device("cpu"))  # its copy task fails on the worker
     with pytest.raises(RuntimeError, match="streams failed: injected copy-task failure"):
         offcache.synchronize()
@@ -164,13 +165,14 @@ def test_a_query_that_fails_while_reaping_raises_and_does_not_deadlock(tmp_path)
         """
         import torch, offcache
         from offcache import engine as _engine
+        from offcache.engine import ops as _ops
         offcache.configure(backend="host", host_copy_delay_us=100_000, disk_dir="none")
         cpu = torch.device("cpu")
         a = _engine.store([torch.randn(1000)], cpu)  # staged in the arena, then copied (slowly)
         b = _engine.store([torch.randn(1000)], cpu)  # listed while a is still in flight
         _engine.wait_stored(a[0])
         _engine.wait_stored(b[0])  # both complete, neither reaped yet
-        _engine._fail_query_after(1)  # a's query passes, b's raises
+        _ops._fail_query_after(1)  # a's query passes, b's raises
         try:
             offcache.stats()
         except RuntimeError as e:
@@ -198,7 +200,7 @@ def test_a_query_unknown_for_now_leaves_a_freed_block_pending_not_leaked(engine_
     (x,) = _engine.store([torch.randn(1 << 16)], torch.device("cpu"))
     offcache.synchronize()
     in_use = offcache.stats()["pinned_in_use_bytes"]
-    _engine._fail_query_after(0, transient=True)  # the dying block's fence query
+    _ops._fail_query_after(0, transient=True)  # the dying block's fence query
     del x
     s = offcache.stats()
     assert s["leaked_blocks"] == 0
@@ -219,6 +221,7 @@ _LOCK_ORDER_STRESS = r"""
 import faulthandler, random, sys, threading, time
 import torch, offcache
 from offcache import engine as _engine
+from offcache.engine import ops as _ops
 
 faulthandler.dump_traceback_later(DEADLINE, exit=True)
 sys.setswitchinterval(1e-5)  # the GIL changes hands often: more interleavings

@@ -8,6 +8,7 @@ import torch
 
 import offcache
 from offcache import engine as _engine
+from offcache.engine import ops as _ops
 from tests.helpers import CPU
 
 NAME = "offcache-test-dead-mapping"
@@ -30,9 +31,9 @@ def test_a_mapping_that_died_while_read_is_unmapped_once_its_copies_completed(en
         ticket.wait()  # the engine holds nothing of the region now; its fence stays on the span
         # The storage's deleter asks whether the copy completed: refused for now (as during another
         # thread's graph capture), so the mapping waits, dead, for a later look.
-        _engine._fail_query_after(0, transient=True)
+        _ops._fail_query_after(0, transient=True)
         del region
-        assert not _engine._fail_query_after(-1)  # the deleter's query was the one refused
+        assert not _ops._fail_query_after(-1)  # the deleter's query was the one refused
         assert _mapped()
         offcache.synchronize()  # every copy of the engine is complete: the dead mapping goes
         assert not _mapped(), "a dead mapping stayed mapped after its copies completed"
@@ -50,9 +51,9 @@ def test_a_mapping_that_died_while_read_is_unmapped_by_the_next_fetch(engine_con
         region, _ = _engine.map_shared(fd, 0, 1 << 16, 1)
         (_,), ticket = _engine.fetch([region], CPU, False)
         ticket.wait()
-        _engine._fail_query_after(0, transient=True)
+        _ops._fail_query_after(0, transient=True)
         del region
-        _engine._fail_query_after(-1)
+        _ops._fail_query_after(-1)
         assert _mapped()
         x = _engine.store([torch.randn(100)], CPU)
         _engine.fetch(x, CPU)  # any fetch looks at the dead mappings first

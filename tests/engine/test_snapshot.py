@@ -17,6 +17,7 @@ import torch
 import offcache
 from offcache import IntermediatesCache
 from offcache import engine as _engine
+from offcache.engine import ops as _ops
 from tests.helpers import CPU
 
 
@@ -258,7 +259,7 @@ def test_fork_while_a_store_is_in_flight(tmp_path, fetch_kind):
 
 def test_failed_enqueue_unwinds_after_the_queued_copies(slow_host):
     x = torch.full((4096,), 3.0)
-    _engine._fail_next_copy()
+    _ops._fail_next_copy()
     with pytest.raises(RuntimeError, match="injected copy failure"):
         _engine.store([x], CPU)
     s = offcache.stats()

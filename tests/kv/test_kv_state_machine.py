@@ -49,7 +49,8 @@ from offcache.bench.models import causal_lm
 from offcache.kv import dynamic_layers
 from offcache.kv.dynamic import OffloadedKVCache
 from offcache.kv.layer import OffloadedLayerBase
-from offcache.kv.static import OffloadedStaticKVCache, _resident_op
+from offcache.kv.resident import resident_op
+from offcache.kv.static import OffloadedStaticKVCache
 from tests.kv.kv_models import edit_in_place, kw, tiny_causal_lm
 
 transformers = pytest.importorskip("transformers")
@@ -292,7 +293,7 @@ def _static_ref_op(layer, op: str, arg) -> None:
     if hasattr(type(layer), op):
         getattr(layer, op)(arg)
     else:
-        _resident_op(layer, op, arg)
+        resident_op(layer, op, arg)
 
 
 SETTINGS = settings(max_examples=int(os.environ.get("KV_MACHINE_EXAMPLES", "5")), stateful_step_count=10, deadline=None,

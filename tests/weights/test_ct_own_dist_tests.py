@@ -48,7 +48,7 @@ import pytest
 compressed_tensors = pytest.importorskip("compressed_tensors")
 
 from tests.helpers import child_pythonpath  # noqa: E402
-from tests.weights.weights_node_worker import free_port  # noqa: E402
+from tests.weights.node.weights_node_worker import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 PLUGIN_DIR = Path(__file__).resolve().parent / "ct_plugin"
@@ -61,12 +61,12 @@ NOT_APPLICABLE = {
         "rank 0 alone calls offload() and expects compressed-tensors' per-tensor share_memory_ / "
         "_share_filename_cpu_ to fail before its collective; offcache's class uses neither, and its offload is "
         "a collective of every rank, an error reaching every rank (offcache's own test: "
-        "tests/weights/test_weights_node.py::test_a_memory_error_logs_compressed_tensors_hint_on_every_rank)"
+        "tests/weights/node/test_weights_node.py::test_a_memory_error_logs_compressed_tensors_hint_on_every_rank)"
     ),
     "test_recv_offload_logs_memory_hint": (
         "calls compressed-tensors' DistributedCPUCache.recv_offload (mapping a /dev/shm file) directly, which "
         "offcache's class never calls (offcache's own test: "
-        "tests/weights/test_weights_node.py::test_a_memory_error_logs_compressed_tensors_hint_on_every_rank)"
+        "tests/weights/node/test_weights_node.py::test_a_memory_error_logs_compressed_tensors_hint_on_every_rank)"
     ),
 }
 CPU_ONLOAD = {"test_garbage_collect", "test_disable_offloading"}
@@ -343,11 +343,11 @@ def test_a_peer_race_is_allowed_to_the_peer_only_on_its_rank_and_as_it_was_seen(
 def test_their_delete_race_lost_fails_both_classes_as_recorded(tmp_path):
     """test_delete's race, lost on purpose (rank 0 onloads and deletes, then rank 1 onloads): both classes
     fail there, each with the failure its race records: the test's construction, not a class, races."""
-    from tests.weights.weights_node_worker import Group
+    from tests.weights.node.weights_node_worker import Group
 
     g = Group(2, timeout=120)
     try:
-        got = g.call("tests.weights.weights_node_disk_worker:delete_race_lost", str(tmp_path))
+        got = g.call("tests.weights.node.weights_node_disk_worker:delete_race_lost", str(tmp_path))
     finally:
         g.close()
     assert got[0] == {"ours": "", "theirs": ""}, got  # rank 0 read before it deleted

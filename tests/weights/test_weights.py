@@ -107,8 +107,8 @@ def test_patch_without_weights_leaves_weights_alone():
 def test_distributed_gets_the_node_shared_cpu_cache_and_the_node_disk_cache(patched):
     import torch.distributed as dist
 
-    from offcache.weights.node import NodeSharedCPUCache  # tests/weights/test_weights_node*.py
-    from offcache.weights.node_disk import NodeDiskCache  # tests/weights/test_weights_node_disk.py
+    from offcache.weights.node import NodeSharedCPUCache  # tests/weights/node/test_weights_node*.py
+    from offcache.weights.node.disk import NodeDiskCache  # tests/weights/node/test_weights_node_disk.py
 
     for _ in range(2):  # a second process group decides again, with a region of its own
         with tempfile.TemporaryDirectory() as tmp:
@@ -223,7 +223,7 @@ def test_delete_releases_the_kept_value_and_the_prefetch(cache):
     cache["weight"] = torch.ones(10)
     module = SimpleNamespace(_parameters=cache, _buffers={})
     oc_ct.prefetch([module], target=0)
-    assert oc_ct._state.prefetched
+    assert oc_ct.WEIGHTS.prefetched
     with disable_offloading():
         onloaded = cache["weight"]
         r = ref(onloaded)
@@ -231,7 +231,7 @@ def test_delete_releases_the_kept_value_and_the_prefetch(cache):
         del onloaded
         release()
         assert r() is None
-    assert "weight" not in cache and not oc_ct._state.prefetched
+    assert "weight" not in cache and not oc_ct.WEIGHTS.prefetched
 
 
 def test_shared_class_attributes(cache):
@@ -625,7 +625,7 @@ def test_pipeline_prefetch_hits_after_the_first_subgraph_no_host_waits(patched, 
             assert s["hits"] == 2 and s["misses"] == 0, s
             assert s["host_waits"] == 0, f"steady state waited for weights: {s}"
             assert s["prefetched_bytes"] == s["onloaded_bytes"] == 128 * 129 * 4
-    assert not oc_ct._state.prefetched, "prefetched copies outlived their subgraph's context"
+    assert not oc_ct.WEIGHTS.prefetched, "prefetched copies outlived their subgraph's context"
 
 
 def test_prefetched_copies_die_with_their_subgraph_context(patched):
@@ -634,19 +634,19 @@ def test_prefetched_copies_die_with_their_subgraph_context(patched):
     with disable_offloading():
         subgraphs[0].forward(None, torch.randn(1, 64))
     # Subgraph 1's copies survive subgraph 0's context, for subgraph 1's.
-    copies = [ref(e.onloaded) for e in oc_ct._state.prefetched.values()]
-    assert len(copies) == 2 and all(e.target == 1 for e in oc_ct._state.prefetched.values())
+    copies = [ref(e.onloaded) for e in oc_ct.WEIGHTS.prefetched.values()]
+    assert len(copies) == 2 and all(e.target == 1 for e in oc_ct.WEIGHTS.prefetched.values())
     with disable_offloading():
         pass  # subgraph 1 never ran: a context in which no subgraph runs keeps them
-    assert len(oc_ct._state.prefetched) == 2
+    assert len(oc_ct.WEIGHTS.prefetched) == 2
     with disable_offloading():
         subgraphs[1].forward(None, torch.randn(1, 64))
     release()
     assert all(r() is None for r in copies)
-    assert {e.target for e in oc_ct._state.prefetched.values()} == {2}
+    assert {e.target for e in oc_ct.WEIGHTS.prefetched.values()} == {2}
     with pytest.raises(KeyError), disable_offloading():
         raise KeyError("a failing subgraph")
-    assert not oc_ct._state.prefetched, "a failed context drops every prefetch"
+    assert not oc_ct.WEIGHTS.prefetched, "a failed context drops every prefetch"
 
 
 def test_shared_weight_edited_in_place_in_one_subgraph_is_fresh_in_the_next(patched):
@@ -769,7 +769,7 @@ def test_disk_update_while_a_prefetch_reads_the_file(patched, engine_config, tmp
     with disable_offloading():
         assert torch.equal(linear.weight, torch.ones(256, 256))
         assert torch.equal(linear.bias, plain.bias)  # the prefetched copy of the untouched bias
-    assert not oc_ct._state.prefetched
+    assert not oc_ct.WEIGHTS.prefetched
 
 
 def test_disk_prefetch_cast_to_the_index_dtype_waits_for_the_read(patched, engine_config, tmp_path):

@@ -28,11 +28,11 @@ class _Region:
     def __init__(self, ticket):
         self.ticket, self.judged_in_flight = ticket, []
 
-    def _fresh(self, offloaded, tag) -> bool:
+    def is_fresh(self, offloaded, tag) -> bool:
         self.judged_in_flight.append(not self.ticket.landed)
         return True
 
-    def _finish(self, fetched, offloaded):
+    def finish(self, fetched, offloaded):
         return fetched
 
 
@@ -44,19 +44,19 @@ def test_a_region_copy_is_judged_fresh_only_after_it_landed(monkeypatch):
     monkeypatch.setattr(bookkeeping._engine, "wait_on_host", lambda t: setattr(t, "landed", True))
     source, copy = torch.zeros(4), torch.zeros(4)
     device = torch.device("cuda", 0)
-    bookkeeping._state.prefetched[id(source)] = bookkeeping._Prefetched(
+    bookkeeping.WEIGHTS.prefetched[id(source)] = bookkeeping.Prefetched(
         offloaded=source, cache=cache, onloaded=copy, ticket=ticket, device=device, version=source._version,
         target=0, nbytes=source.nbytes, tag=2,
     )  # fmt: skip
-    waits = bookkeeping.COUNTERS["weight_host_waits"]
-    assert bookkeeping._take_prefetched(source, device) is copy
+    waits = bookkeeping.WEIGHTS.counters["weight_host_waits"]
+    assert bookkeeping.WEIGHTS.take_prefetched(source, device) is copy
     assert cache.judged_in_flight == [False] and ticket.landed
-    assert bookkeeping.COUNTERS["weight_host_waits"] == waits + 1
+    assert bookkeeping.WEIGHTS.counters["weight_host_waits"] == waits + 1
     # A copy of a tensor no other process writes (no tag) keeps the stream wait alone.
     ticket2, other = _Ticket(), torch.zeros(4)
-    bookkeeping._state.prefetched[id(other)] = bookkeeping._Prefetched(
+    bookkeeping.WEIGHTS.prefetched[id(other)] = bookkeeping.Prefetched(
         offloaded=other, cache=_Region(ticket2), onloaded=copy, ticket=ticket2, device=device,
         version=other._version, target=0, nbytes=other.nbytes,
     )  # fmt: skip
-    assert bookkeeping._take_prefetched(other, device) is copy
+    assert bookkeeping.WEIGHTS.take_prefetched(other, device) is copy
     assert not ticket2.landed and ticket2.stream_waits == 1

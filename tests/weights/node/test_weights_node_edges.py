@@ -1,13 +1,13 @@
 """offcache's node classes (NodeSharedCPUCache, NodeDiskCache) beside compressed-tensors' DistributedCPUCache /
 DistributedDiskCache where compressed-tensors' own code drives them: 2 ranks, gloo
-(tests/weights/weights_node_edges_worker.py)."""
+(tests/weights/node/weights_node_edges_worker.py)."""
 
 import pytest
 
 pytest.importorskip("compressed_tensors")
 
-from tests.weights.weights_node_edges_worker import E  # noqa: E402
-from tests.weights.weights_node_worker import Group  # noqa: E402
+from tests.weights.node.weights_node_edges_worker import E  # noqa: E402
+from tests.weights.node.weights_node_worker import Group  # noqa: E402
 
 
 @pytest.fixture(scope="module")

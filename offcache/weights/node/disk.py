@@ -17,7 +17,7 @@ Under ``torch.distributed``, ``patch_llmcompressor(weights=True)`` gives compres
   (non-meta) tensor whose shape or dtype differs from the source's raises
   ``NodeShapeMismatchError`` on every rank, naming the tensor; meta tensors take the source's, as
   compressed-tensors' class does. Under compressed-tensors' ``as_single_threaded()`` an offload is
-  ``DiskCache``'s, this rank's alone (batch_offload.py).
+  ``DiskCache``'s, this rank's alone (batch.py).
 - its onload ``OffcacheDiskCache``'s: the engine's ``fetch_file`` (8 MiB pieces into pinned
   bounce buffers, each piece's copy issued as soon as it is read), prefetched by the
   sequential pipeline's subgraphs as with one process.
@@ -55,7 +55,7 @@ try:
     from safetensors.torch import save_file
 except ModuleNotFoundError as _missing:  # one line naming the extra
     raise as_missing(
-        _missing, ("compressed_tensors", "transformers"), "llmcompressor", "offcache.weights.node_disk"
+        _missing, ("compressed_tensors", "transformers"), "llmcompressor", "offcache.weights.node.disk"
     ) from None
 
 try:
@@ -63,12 +63,12 @@ try:
 except ImportError:  # compressed-tensors 0.19: no handles held
     _evict = None
 
-from offcache.weights.batch_offload import _BatchOffload  # noqa: E402
-from offcache.weights.bookkeeping import _drop_prefetched, _state  # noqa: E402
-from offcache.weights.caches import COUNTERS, OffcacheDiskCache, _onload  # noqa: E402
+from offcache.weights.caches import OffcacheDiskCache  # noqa: E402
 from offcache.weights.files import forget as _forget  # noqa: E402
-from offcache.weights.node_region import NodeShapeMismatchError  # noqa: E402
-from offcache.weights.node_warm import Deferred, issue_ready, page_cache_on  # noqa: E402
+from offcache.weights.files import header  # noqa: E402
+from offcache.weights.node.batch import BatchOffload, check_names, check_shape, gather_verdicts  # noqa: E402
+from offcache.weights.node.region import NodeShapeMismatchError  # noqa: E402
+from offcache.weights.node.warm import Deferred, issue_ready, page_cache_on  # noqa: E402
 
 __all__ = ["NodeDiskCache", "NodeShapeMismatchError"]
 
@@ -84,7 +84,7 @@ def _identity(path: str) -> tuple | None:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-class NodeDiskCache(_BatchOffload, OffcacheDiskCache, DistributedDiskCache):
+class NodeDiskCache(BatchOffload, OffcacheDiskCache, DistributedDiskCache):
     """compressed-tensors' ``DistributedDiskCache`` (files, index, deletes, updates), its offload a
     batch per module that fails on every rank together, its onload ``OffcacheDiskCache``'s through
     the engine, prefetched, each checkpoint byte read from the disk once per node."""
@@ -104,35 +104,33 @@ class NodeDiskCache(_BatchOffload, OffcacheDiskCache, DistributedDiskCache):
         issue_ready()
         if offloaded is None:
             return None
-        entry = _state.prefetched.get(id(offloaded))
+        entry = self.state.prefetched.get(id(offloaded))
         if entry is None or entry.offloaded is not offloaded:
             self._inline = True  # nothing fetched ahead: the page-cache read on this thread
             try:
-                return _onload(self, offloaded)
+                return self.state.onload(self, offloaded)
             finally:
                 self._inline = False
         try:
-            return _onload(self, offloaded)
+            return self.state.onload(self, offloaded)
         except (RuntimeError, OSError):
             # The prefetch's read failed (another rank rewrote or replaced the file under it):
             # read it again, which raises if the file cannot be read now either.
-            COUNTERS["weight_prefetch_stale"] += 1
+            self.state.counters["weight_prefetch_stale"] += 1
             return self.onload(offloaded)
 
-    def _fetch(self, offloaded: list[Tensor], device: torch.device) -> list[tuple[Any, Any]]:
+    def fetch(self, offloaded: list[Tensor], device: torch.device) -> list[tuple[Any, Any]]:
         issue_ready()
         metas = [t for t in offloaded if t.device.type == "meta"]
         if not metas or not page_cache_on():
-            return super()._fetch(offloaded, device)
+            return super().fetch(offloaded, device)
         ranges = [self._ranges(t) for t in offloaded]
-        return Deferred(super()._fetch, offloaded, device, ranges, inline=self._inline).pairs()
+        return Deferred(super().fetch, offloaded, device, ranges, self.state.counters, inline=self._inline).pairs()
 
     def _ranges(self, offloaded: Tensor) -> tuple[str, int, int] | None:
         """(file, first byte, bytes) of a meta tensor's data, for the page-cache read; None: none."""
         if offloaded.device.type != "meta":
             return None
-        from offcache.weights.files import header
-
         info = self.index[offloaded]
         real = os.path.realpath(info["safetensors_file"])
         try:
@@ -142,18 +140,18 @@ class NodeDiskCache(_BatchOffload, OffcacheDiskCache, DistributedDiskCache):
             return None  # the engine's read says why
         return real, start + begin, end - begin
 
-    def _finish(self, fetched: Any, offloaded: Tensor) -> Tensor:
+    def finish(self, fetched: Any, offloaded: Tensor) -> Tensor:
         if isinstance(fetched, Deferred.Handle):
             fetched = fetched.tensor()
-        return super()._finish(fetched, offloaded)
+        return super().finish(fetched, offloaded)
 
-    def _tag(self, offloaded: Tensor) -> Any:
+    def tag(self, offloaded: Tensor) -> Any:
         """The file's identity before a prefetch reads it (None: a staged host tensor)."""
         if offloaded.device.type != "meta":
             return None
         return _identity(self.index[offloaded]["safetensors_file"])
 
-    def _fresh(self, offloaded: Tensor, tag: Any) -> bool:
+    def is_fresh(self, offloaded: Tensor, tag: Any) -> bool:
         """Whether the file a prefetch read is still the tensor's (no rank rewrote it since)."""
         if offloaded.device.type != "meta":
             return True
@@ -170,7 +168,7 @@ class NodeDiskCache(_BatchOffload, OffcacheDiskCache, DistributedDiskCache):
             return
         if offloaded.device.type != "meta":  # staged (0.20): a host tensor, updated as CPUCache's
             return super().update_offload(offloaded, data)
-        _drop_prefetched(offloaded)
+        self.state.drop_prefetched(offloaded)
         assert offloaded in self.index, "Cannot find offload to update"
         info = self.index[offloaded]
         path = info["safetensors_file"]
@@ -229,12 +227,7 @@ class NodeDiskCache(_BatchOffload, OffcacheDiskCache, DistributedDiskCache):
         error = ""
         if not is_source_process():
             try:
-                missing = set(names) ^ {entry[0] for entry in entries}
-                if missing:
-                    raise NodeShapeMismatchError(
-                        f"rank {rank}: ranks disagree on the tensors offloaded: {sorted(map(str, missing))} "
-                        f"(this rank has {sorted(map(str, names))})"
-                    )
+                check_names(names, entries)
                 adopted: dict[int, Tensor] = {}  # id(this rank's tensor) -> its offload (tied stay one)
                 for name, file, weight_name, dtype_name, shape in entries:
                     t = mapping[name]
@@ -245,14 +238,7 @@ class NodeDiskCache(_BatchOffload, OffcacheDiskCache, DistributedDiskCache):
                 error = str(exc)
             except Exception as exc:  # noqa: BLE001
                 error = f"rank {rank}: {type(exc).__name__}: {exc}"
-        verdicts: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(verdicts, (error, setting))  # also the barrier compressed-tensors' class ends with
-        errors = [e for e, _ in verdicts if e]
-        if errors:
-            if any("disagree" in e for e in errors):
-                raise NodeShapeMismatchError("; ".join(errors))
-            raise RuntimeError("offcache's distributed disk offload failed: " + "; ".join(errors))
-        settings = [s for _, s in verdicts if s]
+        settings = [s for s in gather_verdicts(error, "offcache's distributed disk offload failed", setting) if s]
         if settings:
             raise ValueError("; ".join(settings) + " (NodeDiskCache's onloads read it on every rank: set it alike)")
         return out
@@ -261,12 +247,7 @@ class NodeDiskCache(_BatchOffload, OffcacheDiskCache, DistributedDiskCache):
         """This rank's meta tensor for the source's file, as compressed-tensors' class rebuilds it."""
         dtype = getattr(torch, dtype_name)
         shape = torch.Size(shape)
-        if not tensor.is_meta and (tensor.dtype != dtype or tensor.shape != shape):
-            raise NodeShapeMismatchError(
-                f"rank {dist.get_rank()}: ranks disagree on tensor {name!r}: the source rank "
-                f"{get_source_rank()} offloads {tuple(shape)} {dtype}, this rank holds "
-                f"{tuple(tensor.shape)} {tensor.dtype}"
-            )
+        check_shape(name, tensor, dtype, shape)
         offloaded = send_tensors(tensor, device="meta")
         if offloaded.dtype != dtype or offloaded.shape != shape:
             offloaded = to_tensor(torch.empty(shape, dtype=dtype, device="meta"), offloaded)

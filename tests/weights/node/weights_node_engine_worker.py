@@ -1,8 +1,8 @@
-"""Worker functions for tests/weights/test_weights_node_engine.py and test_gpu_weights_node.py: the node
+"""Worker functions for tests/weights/node/test_weights_node_engine.py and test_gpu_weights_node.py: the node
 region's registration with the engine, engine onloads, prefetch and cross-process invalidation.
 
-Run on the ranks of tests/weights/weights_node_worker.py's ``Group`` as
-``group.call("tests.weights.weights_node_engine_worker:<function>", ...)``.
+Run on the ranks of tests/weights/node/weights_node_worker.py's ``Group`` as
+``group.call("tests.weights.node.weights_node_engine_worker:<function>", ...)``.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from tests.weights.weights_node_worker import _describe, make
+from tests.weights.node.weights_node_worker import _describe, make
 
-W = "tests.weights.weights_node_engine_worker:"
+W = "tests.weights.node.weights_node_engine_worker:"
 _S: dict[str, Any] = {}
 
 
@@ -140,17 +140,17 @@ def fallback_by_registration(fail: bool) -> dict:
 def fail_next_registration(rank: int, after: int = 0, chunk: int = 0) -> None:
     import torch.distributed as dist
 
-    from offcache import engine
+    from offcache.engine import ops
 
-    engine._set_register_chunk(chunk)
+    ops._set_register_chunk(chunk)
     if dist.get_rank() == rank:
-        engine._fail_register(after, "cudaHostRegister: out of memory (injected)")
+        ops._fail_register(after, "cudaHostRegister: out of memory (injected)")
 
 
 def reset_register_chunk() -> None:
-    from offcache import engine
+    from offcache.engine import ops
 
-    engine._set_register_chunk(0)
+    ops._set_register_chunk(0)
 
 
 def caught_offload(mod: str, shapes: list, seed: int = 0) -> dict:
@@ -167,10 +167,10 @@ def drop_all() -> dict:
     region's mappings are gone (no tensor views them); then the node is set up again."""
     from offcache import engine
     from offcache.weights import node
-    from offcache.weights.bookkeeping import _state
+    from offcache.weights.bookkeeping import WEIGHTS
 
     _S.clear()
-    _state.prefetched.clear()
+    WEIGHTS.prefetched.clear()
     node.reset()
     gc.collect()
     engine.synchronize()
@@ -239,7 +239,7 @@ def pipeline(n: int, size: int, device: str, patched: bool) -> dict:
     return {"kinds": kinds, "outs": outs, "records": records, "counters": counters}
 
 
-# --- CUDA (tests/weights/test_gpu_weights_node.py) ----------------------------------------------------
+# --- CUDA (tests/weights/node/test_gpu_weights_node.py) ----------------------------------------------------
 
 
 def backend() -> str:
@@ -259,7 +259,7 @@ def map_during_capture() -> bool:
     from offcache import engine
     from offcache.weights import node
 
-    region = node._node.region
+    region = node.GROUP.node.region
     start = region.allocate(1 << 20)  # this rank's own span (not collective)
     x = torch.zeros(16, device="cuda")
     side = torch.cuda.Stream()

@@ -6,8 +6,8 @@ import pytest
 
 pytest.importorskip("compressed_tensors")
 
-from tests.weights.weights_node_engine_worker import W  # noqa: E402
-from tests.weights.weights_node_worker import Group  # noqa: E402
+from tests.weights.node.weights_node_engine_worker import W  # noqa: E402
+from tests.weights.node.weights_node_worker import Group  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -102,7 +102,7 @@ def test_cuda_mappings_unregistered_before_unmap(group):
         assert stats["shared_unregister_failures"] == 0, stats
 
 
-# --- the sliced mode (offcache/weights/node_sliced.py): NCCL between two GPUs -------------------------
+# --- the sliced mode (offcache/weights/node/sliced.py): NCCL between two GPUs -------------------------
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +119,7 @@ def nccl_group():
 
 
 def test_cuda_sliced_walk_bit_identical_to_full_and_to_distributed_cpu_cache(nccl_group):
-    from tests.weights.weights_node_sliced_worker import S
+    from tests.weights.node.weights_node_sliced_worker import S
 
     group = nccl_group
     assert group.call(W + "backend") == ["cuda", "cuda"]
@@ -143,7 +143,7 @@ def test_cuda_sliced_walk_bit_identical_to_full_and_to_distributed_cpu_cache(ncc
 
 
 def test_cuda_sliced_prefetch_then_write_and_misses_need_no_collective(nccl_group):
-    from tests.weights.weights_node_sliced_worker import S
+    from tests.weights.node.weights_node_sliced_worker import S
 
     group = nccl_group
     group.call(S + "use_mode", "sliced")

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# One-off GPU diagnosis: the segfault on ValueError, the gpu tests by name, the bench sections.
+# One-off GPU diagnosis (run 2026-12-04 on an H200, as .diag/diag.sh; its results are
+# benchmarks/results/2026-12-04-h200-diag*): the segfault on ValueError, the gpu tests by name, the
+# bench sections. Run beside benchmarks/device_check.sh: OUT=<folder> bash benchmarks/diag.sh
 set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TQDM_DISABLE=1 MPLBACKEND=Agg
 ROOT=$PWD
@@ -38,13 +40,13 @@ for v in orig fix sys; do
   ls $d/offcache/_C*.so >/dev/null 2>&1 || { echo "$v: no build" >>$OUT/diag.txt; continue; }
   ok=1
   for c in runtime value value_cuda torch_value; do
-    out=$(cd /tmp && PYTHONPATH=$d:/tmp/site-packages timeout 60 python3 $ROOT/.diag/repro.py $c 2>&1); rc=$?
+    out=$(cd /tmp && PYTHONPATH=$d:/tmp/site-packages timeout 60 python3 $ROOT/benchmarks/diag_repro.py $c 2>&1); rc=$?
     echo "$v $c rc=$rc: $(echo "$out" | grep -E -- "->|NO ERROR|Fatal" | head -2 | tr '\n' ' ')" >>$OUT/diag.txt
     [ "$c" = value ] && [ $rc != 0 ] && ok=0
   done
   [ $ok = 1 ] && [ -z "$GOOD" ] && [ $v != orig ] && GOOD=$d
   if [ $v = orig ] || [ $ok = 0 ]; then
-    (cd /tmp && PYTHONPATH=$d:/tmp/site-packages timeout 60 cuda-gdb -q -batch -ex run -ex "bt 40" -ex "info sharedlibrary" --args python3 $ROOT/.diag/repro.py value) >/tmp/gdb_$v.txt 2>&1
+    (cd /tmp && PYTHONPATH=$d:/tmp/site-packages timeout 60 cuda-gdb -q -batch -ex run -ex "bt 40" -ex "info sharedlibrary" --args python3 $ROOT/benchmarks/diag_repro.py value) >/tmp/gdb_$v.txt 2>&1
     grep -E "^#|SIGSEGV|signal" /tmp/gdb_$v.txt | head -60 >$OUT/gdb_$v.txt
     grep -E "libstdc|libgcc|_C\.cpython|libc10\.so" /tmp/gdb_$v.txt | head >>$OUT/gdb_$v.txt
   fi

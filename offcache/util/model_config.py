@@ -1,4 +1,5 @@
-"""A transformers model config from a path or the local Hub cache (the planner's and the KV sizer's --config)."""
+"""A transformers model config from a path or the local Hub cache (the planner's and the KV sizer's --config;
+the engine's settings are offcache/engine/config.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""offcache's node-shared weights (offcache/weights/node.py) under a real gloo group on localhost.
+"""offcache's node-shared weights (offcache/weights/node/) under a real gloo group on localhost.
 
 Updates seen by every rank after a barrier, tied weights, a disagreement on a tensor's shape or
 dtype naming the tensor on every rank, the fallback warning without memfd, nothing in /dev/shm,
@@ -14,9 +14,9 @@ import pytest
 
 pytest.importorskip("compressed_tensors")
 
-from tests.weights.weights_node_worker import Group, WorkerError  # noqa: E402
+from tests.weights.node.weights_node_worker import Group, WorkerError  # noqa: E402
 
-M = "tests.weights.weights_node_memory_worker:"
+M = "tests.weights.node.weights_node_memory_worker:"
 
 W = ("weight", (4, 5), "float32", 1, True, None)
 B = ("bias", (5,), "bfloat16", 2, False, None)
@@ -217,7 +217,7 @@ def test_node_host_memory_is_one_copy_where_per_rank_copies_are_two():
     """PSS summed over the 2 ranks (each shared page counted once, split between the ranks that map it):
     offcache's region adds at most 1.1x the weights' bytes; a copy per rank (compressed-tensors' CPUCache
     on each rank) adds about 2x, measured in the same ranks."""
-    from tests.weights.weights_node_memory_worker import pss_bytes
+    from tests.weights.node.weights_node_memory_worker import pss_bytes
 
     n, mib = 4, 16
     weights = n * mib << 20

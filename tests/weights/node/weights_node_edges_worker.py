@@ -1,5 +1,5 @@
-"""Worker functions for tests/weights/test_weights_node_edges.py, run on the ranks of
-tests/weights/weights_node_worker.py's ``Group`` as ``group.call(E + "<function>", ...)``: offcache's node
+"""Worker functions for tests/weights/node/test_weights_node_edges.py, run on the ranks of
+tests/weights/node/weights_node_worker.py's ``Group`` as ``group.call(E + "<function>", ...)``: offcache's node
 classes and compressed-tensors' distributed ones driven the same way, through compressed-tensors' own
 entry points.
 """
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from tests.weights.weights_node_worker import _describe
+from tests.weights.node.weights_node_worker import _describe
 
-E = "tests.weights.weights_node_edges_worker:"
+E = "tests.weights.node.weights_node_edges_worker:"
 
 
 def module_parallel(impl: str, where: str, outs: list[int]) -> dict:

@@ -1,4 +1,4 @@
-"""offcache's NodeDiskCache (offcache/weights/node_disk.py) against compressed-tensors' DistributedDiskCache,
+"""offcache's NodeDiskCache (offcache/weights/node/disk.py) against compressed-tensors' DistributedDiskCache,
 under a real gloo group of 2 ranks on localhost (the host backend: no GPU).
 
 Bit-identical onloads, an update by either rank seen by both after a barrier (a prefetched copy of
@@ -14,9 +14,9 @@ import pytest
 
 pytest.importorskip("compressed_tensors")
 
-from tests.weights.weights_node_worker import Group, WorkerError  # noqa: E402
+from tests.weights.node.weights_node_worker import Group, WorkerError  # noqa: E402
 
-W = "tests.weights.weights_node_disk_worker:"
+W = "tests.weights.node.weights_node_disk_worker:"
 SPEC = [
     ("weight", (4, 5), "float32", 1, True, None),
     ("bias", (5,), "bfloat16", 2, False, None),
@@ -161,7 +161,7 @@ def test_patch_gives_node_disk_cache_for_distributed_disk_and_unpatch_restores(g
 def test_page_cache_setting_is_checked():
     os.environ["OFFCACHE_NODE_PAGE_CACHE"] = "yes"
     try:
-        from offcache.weights.node_warm import page_cache_on
+        from offcache.weights.node.warm import page_cache_on
 
         with pytest.raises(ValueError, match="OFFCACHE_NODE_PAGE_CACHE.*'yes'"):
             page_cache_on()

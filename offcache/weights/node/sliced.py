@@ -1,4 +1,4 @@
-"""The node region's sliced onload (``OFFCACHE_NODE_ONLOAD=sliced``; offcache/weights/node.py holds the region).
+"""The node region's sliced onload (``OFFCACHE_NODE_ONLOAD=sliced``; offcache/weights/node/ holds the region).
 
 In the default ``full`` mode every rank prefetches a subgraph's weights whole, an engine fetch
 from the node's shared region. In the ``sliced`` mode a prefetch of the node region's tensors is
@@ -28,7 +28,7 @@ shared out between the node's ranks:
 - **Plan**: every region tensor of the prefetch's modules, prefetched already or not: what a
   rank holds prefetched differs between ranks (a write drops the writer's copy alone), the plan
   must not. A copy prefetched again replaces the older one. Each region entry (offset, dtype,
-  shape) counts once: a tied weight is one object on every rank (node.py's ``_adopt``), and a
+  shape) counts once: a tied weight is one object on every rank (cpu.py's ``_adopt``), and a
   second object over the same bytes is fetched by its rank alone.
 - **Streams** (CUDA): the gather runs on a stream of its own, after the slice's H2D copy (the
   stream waits on the fetch's event, the engine hands its allocations to that stream), and
@@ -61,8 +61,7 @@ import torch
 import torch.distributed as dist
 
 from offcache import engine as _engine
-from offcache.weights.bookkeeping import _Prefetched, _state
-from offcache.weights.caches import COUNTERS
+from offcache.weights.bookkeeping import Prefetched, WeightState
 
 MODES = ("full", "sliced")
 _ALIGN = 64  # every tensor's offset in the flat buffer (any dtype's view is aligned)
@@ -86,7 +85,7 @@ def onload_mode() -> str:
 
 
 def check_modes(modes: list[str], depths: list[int | str]) -> None:
-    """Every rank's OFFCACHE_NODE_ONLOAD (or its parse error) as node.py's set-up gathered them, and
+    """Every rank's OFFCACHE_NODE_ONLOAD (or its parse error) as group.py's set-up gathered them, and
     its OFFCACHE_WEIGHT_PREFETCH (an int, or its parse error): raises ValueError on every rank where a
     mode is garbage or the ranks disagree on it, and in the sliced mode, where every prefetch is a
     collective, where a depth is garbage or the ranks disagree on it (a rank prefetching less, or
@@ -252,18 +251,18 @@ def _gather_stream(device: torch.device):
 
 
 def prefetch(items: list[tuple[Any, torch.Tensor]], device: torch.device, target: int,
-             free_bytes: Callable[[torch.device], int | None]) -> tuple[int, list]:  # fmt: skip
+             free_bytes: Callable[[torch.device], int | None], state: WeightState) -> tuple[int, list]:  # fmt: skip
     """A sliced prefetch of `items` ((cache, offloaded) of NodeSharedCPUCache instances, onloading
     to `device`) for subgraph `target`, made by every rank of the node together: 1 or 2
     collectives. Returns the bytes prefetched and the items left to the per-rank path (not in
     the node region)."""
     g = _groups
-    assert g is not None, "node_sliced.prefetch is used only in the sliced mode"
+    assert g is not None, "node.sliced.prefetch is used only in the sliced mode"
     region_items, rest = [], []
     entries: set[tuple] = set()
     for cache, offloaded in items:
         region = getattr(cache, "_region", None)
-        offset = region.locate(offloaded) if region is not None else None  # None unless plain (node_region.plain)
+        offset = region.locate(offloaded) if region is not None else None  # None unless plain (region.plain)
         entry = (offset, offloaded.dtype, tuple(offloaded.shape))
         if offset is None or region.word_at(offset) is None:
             rest.append((cache, offloaded))
@@ -294,7 +293,7 @@ def prefetch(items: list[tuple[Any, torch.Tensor]], device: torch.device, target
         if free is not None and (n + 2) * slice_bytes > free:
             ok = 0
         else:
-            tags = [cache._tag(offloaded) for cache, offloaded, _ in region_items]  # before the copies
+            tags = [cache.tag(offloaded) for cache, offloaded, _ in region_items]  # before the copies
             for (at, nbytes), (_, offloaded, _) in zip(layout, region_items):
                 a, b = max(at, lo), min(at + nbytes, hi)
                 if a < b:
@@ -338,7 +337,7 @@ def prefetch(items: list[tuple[Any, torch.Tensor]], device: torch.device, target
     if not total:
         return 0, rest
     if not all(row[1] for row in every) or len({row[5] for row in every}) > 1:
-        COUNTERS["weight_prefetch_skips"] += 1
+        state.counters["weight_prefetch_skips"] += 1
         return 0, rest  # some rank has no room (or its fetch failed): every rank fetches at its onload
 
     # Collective 2: the gather, after the slice landed (on CUDA: on the gather stream).
@@ -360,12 +359,12 @@ def prefetch(items: list[tuple[Any, torch.Tensor]], device: torch.device, target
     shared_ticket = _Ticket(event, flat, [slice_buf, fetched, ticket])
     for (cache, offloaded, _), (at, nbytes), tag in zip(region_items, layout, tags):
         view = flat[at : at + nbytes].view(offloaded.dtype).view(offloaded.shape)
-        _state.prefetched[id(offloaded)] = _Prefetched(
+        state.prefetched[id(offloaded)] = Prefetched(
             offloaded, cache, view, shared_ticket, device, offloaded._version, target, nbytes, tag
         )
-    COUNTERS["weight_prefetch_bytes"] += sum(nbytes for _, nbytes in layout)
-    COUNTERS["weight_sliced_prefetches"] += 1
-    COUNTERS["weight_sliced_fetch_bytes"] += sum(p.numel() for _, p in pieces)
+    state.counters["weight_prefetch_bytes"] += sum(nbytes for _, nbytes in layout)
+    state.counters["weight_sliced_prefetches"] += 1
+    state.counters["weight_sliced_fetch_bytes"] += sum(p.numel() for _, p in pieces)
     return sum(nbytes for _, nbytes in layout), rest
 
 

@@ -1,5 +1,5 @@
 """Property-based: offcache's NodeSharedCPUCache beside compressed-tensors' DistributedCPUCache,
-under a real gloo group of 2 processes (tests/weights/weights_node_worker.py).
+under a real gloo group of 2 processes (tests/weights/node/weights_node_worker.py).
 
 Random sequences of batch offloads (from_mapping; the other rank holding meta tensors or real
 ones, parameters and plain tensors), assignments on every rank (new names, new shapes: collective
@@ -25,7 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 
 pytest.importorskip("compressed_tensors")
 
-from tests.weights.weights_node_worker import Group, make  # noqa: E402
+from tests.weights.node.weights_node_worker import Group, make  # noqa: E402
 
 NAMES = ["weight", "bias", "scale"]
 DTYPES = ["float32", "bfloat16", "int8"]

@@ -1,7 +1,7 @@
-"""The node region on the engine (offcache/weights/node.py, node_region.py), 2 ranks, gloo, host backend.
+"""The node region on the engine (offcache/weights/node/: cpu.py, region.py), 2 ranks, gloo, host backend.
 
 Every rank registers its mappings of the region once (the host backend's bookkeeping; CUDA's
-cudaHostRegister in tests/weights/test_gpu_weights_node.py), the region counts once per node
+cudaHostRegister in tests/weights/node/test_gpu_weights_node.py), the region counts once per node
 against the pinned budget, onloads are engine fetches from it, prefetched one subgraph ahead as
 with one process, bit-identical to compressed-tensors' DistributedCPUCache, and a write by one
 rank after a barrier makes another rank's prefetched copy stale (the region's generation words).
@@ -13,8 +13,8 @@ import pytest
 
 pytest.importorskip("compressed_tensors")
 
-from tests.weights.weights_node_engine_worker import W  # noqa: E402
-from tests.weights.weights_node_worker import Group  # noqa: E402
+from tests.weights.node.weights_node_engine_worker import W  # noqa: E402
+from tests.weights.node.weights_node_worker import Group  # noqa: E402
 
 SHAPES = [((16, 24), "float32"), ((24,), "bfloat16"), ((3, 5), "int8"), ((0, 4), "float16")]
 

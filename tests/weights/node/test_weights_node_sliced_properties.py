@@ -1,5 +1,5 @@
 """Property-based: the sliced onload (OFFCACHE_NODE_ONLOAD=sliced) beside compressed-tensors'
-DistributedCPUCache, 2 ranks, gloo, host backend (tests/weights/weights_node_sliced_worker.py).
+DistributedCPUCache, 2 ranks, gloo, host backend (tests/weights/node/weights_node_sliced_worker.py).
 
 Random sequences of module offloads (tensors of random shapes, the empty and 0-dim ones included,
 and dtypes: slices cut them anywhere), sliced prefetches of random sets of modules, writes by one
@@ -20,8 +20,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 
 pytest.importorskip("compressed_tensors")
 
-from tests.weights.weights_node_sliced_worker import S  # noqa: E402
-from tests.weights.weights_node_worker import Group  # noqa: E402
+from tests.weights.node.weights_node_sliced_worker import S  # noqa: E402
+from tests.weights.node.weights_node_worker import Group  # noqa: E402
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "int8": 1, "float16": 2}
 shapes = st.lists(st.integers(0, 13), min_size=0, max_size=3).map(tuple)

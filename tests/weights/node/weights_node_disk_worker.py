@@ -1,5 +1,5 @@
-"""Worker functions for tests/weights/test_weights_node_disk.py (run through weights_node_worker's Group
-as 'tests.weights.weights_node_disk_worker:fn').
+"""Worker functions for tests/weights/node/test_weights_node_disk.py (run through weights_node_worker's Group
+as 'tests.weights.node.weights_node_disk_worker:fn').
 
 Each module slot holds offcache's NodeDiskCache and compressed-tensors' DistributedDiskCache built
 from the same checkpoint file (the source rank writes it and symlinks each tensor into the class's
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from tests.weights.weights_node_worker import DTYPES, make
+from tests.weights.node.weights_node_worker import DTYPES, make
 
 
 def _describe(t):
@@ -82,7 +82,7 @@ def offload(mod: str, folder: str, spec, classes=("ours", "theirs")) -> None:
     """Both classes' from_mapping of one checkpoint's tensors (meta tensors off the source rank)."""
     from compressed_tensors.offload.cache.dist_disk import DistributedDiskCache
 
-    from offcache.weights.node_disk import NodeDiskCache
+    from offcache.weights.node.disk import NodeDiskCache
 
     checkpoint = _checkpoint(folder, mod, spec)
     caches = []
@@ -97,7 +97,7 @@ def offload(mod: str, folder: str, spec, classes=("ours", "theirs")) -> None:
 
 def offload_local(mod: str, folder: str, spec) -> None:
     """Ours only, from this rank's own (non-meta off the source: a shape or dtype may disagree)."""
-    from offcache.weights.node_disk import NodeDiskCache
+    from offcache.weights.node.disk import NodeDiskCache
 
     checkpoint = _checkpoint(folder, mod, spec)
     offload_dir = Path(folder) / f"{mod}-ours"
@@ -142,19 +142,19 @@ def prefetch_update_onload(mod: str, name: str, seed: int, writer: int) -> dict:
     """Every rank prefetches ours; rank `writer` updates `name`; after a barrier every rank onloads."""
     from offcache import engine
     from offcache.weights import compressed_tensors as oc_ct
-    from offcache.weights.bookkeeping import _state
+    from offcache.weights.bookkeeping import WEIGHTS
 
     ours = _D[mod][0]
     before = dict(engine.stats())
     holder = types.SimpleNamespace(_parameters=ours, _buffers={})
     issued = oc_ct.prefetch([holder], target=0)
-    for entry in list(_state.prefetched.values()):
+    for entry in list(WEIGHTS.prefetched.values()):
         entry.ticket.wait()  # the old values have landed (the page-cache read, then the engine's)
     _barrier()
     update(mod, name, seed, writer)
     got = {key: _describe(ours[key]) for key in list(ours.offloaded_values)}
     after = engine.stats()
-    _state.prefetched.clear()
+    WEIGHTS.prefetched.clear()
     keys = ("weight_prefetch_hits", "weight_prefetch_stale", "file_fetches", "weight_page_cache_bytes")
     return {"issued": issued, "values": got, **{k: after.get(k, 0) - before.get(k, 0) for k in keys}}
 
@@ -172,7 +172,7 @@ def storage_reads(mod: str, folder: str, mib: int, page_cache: bool, prefetched:
     through ours, the file dropped from the page cache first; every rank onloads at once."""
     from offcache import engine
     from offcache.weights import compressed_tensors as oc_ct
-    from offcache.weights.bookkeeping import _state
+    from offcache.weights.bookkeeping import WEIGHTS
 
     os.environ["OFFCACHE_NODE_PAGE_CACHE"] = "1" if page_cache else "0"
     spec = [(f"t{i}", (256, 1024), "float32", i, False, None) for i in range(mib)]  # 1 MiB each
@@ -188,7 +188,7 @@ def storage_reads(mod: str, folder: str, mib: int, page_cache: bool, prefetched:
         oc_ct.prefetch([types.SimpleNamespace(_parameters=ours, _buffers={})], target=0)
     got = [ours[name] for name in list(ours.offloaded_values)]
     after = read_bytes()
-    _state.prefetched.clear()
+    WEIGHTS.prefetched.clear()
     _barrier()
     del got
     now = engine.stats()
@@ -237,7 +237,7 @@ def random_sequence(folder: str, seed: int, steps: int) -> list:
 
 def offload_unwritable(folder: str) -> None:
     """The source rank's write fails (its offload folder is not writable... a file stands there)."""
-    from offcache.weights.node_disk import NodeDiskCache
+    from offcache.weights.node.disk import NodeDiskCache
 
     blocker = Path(folder) / "blocked"
     if _source():
@@ -286,7 +286,7 @@ def describe_seeds(shape, dtype: str, seeds) -> list:
 def prefetch_then_file_gone(mod: str, name: str) -> dict:
     """Every rank prefetches ours; the source removes `name`'s file; then every rank onloads each name."""
     from offcache.weights import compressed_tensors as oc_ct
-    from offcache.weights.bookkeeping import _state
+    from offcache.weights.bookkeeping import WEIGHTS
 
     ours = _D[mod][0]
     oc_ct.prefetch([types.SimpleNamespace(_parameters=ours, _buffers={})], target=0)
@@ -300,7 +300,7 @@ def prefetch_then_file_gone(mod: str, name: str) -> dict:
             out[key] = _describe(ours[key])
         except Exception as exc:  # noqa: BLE001
             out[key] = f"{type(exc).__name__}: {exc}"
-    _state.prefetched.clear()
+    WEIGHTS.prefetched.clear()
     return out
 
 
@@ -327,7 +327,7 @@ def delete_race_lost(folder: str) -> dict:
     class's error there ('' where it read the tensor)."""
     from compressed_tensors.offload.cache.dist_disk import DistributedDiskCache
 
-    from offcache.weights.node_disk import NodeDiskCache
+    from offcache.weights.node.disk import NodeDiskCache
 
     out = {}
     for which, cls in (("ours", NodeDiskCache), ("theirs", DistributedDiskCache)):

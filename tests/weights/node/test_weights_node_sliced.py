@@ -1,6 +1,6 @@
-"""The node region's sliced onload (OFFCACHE_NODE_ONLOAD=sliced, offcache/weights/node_sliced.py), 2 ranks,
+"""The node region's sliced onload (OFFCACHE_NODE_ONLOAD=sliced, offcache/weights/node/sliced.py), 2 ranks,
 gloo, host backend: each rank fetches its half of a prefetch from the region and the ranks all-gather it,
-for real, with the same logic as on GPUs (tests/weights/test_gpu_weights_node.py runs it on NCCL).
+for real, with the same logic as on GPUs (tests/weights/node/test_gpu_weights_node.py runs it on NCCL).
 
 Results bit-identical to the full mode and to compressed-tensors' DistributedCPUCache; at most 2
 collectives per subgraph; ranks that disagree on a prefetch get an error on every rank (not a hang);
@@ -15,8 +15,8 @@ import pytest
 
 pytest.importorskip("compressed_tensors")
 
-from tests.weights.weights_node_sliced_worker import S  # noqa: E402
-from tests.weights.weights_node_worker import Group, WorkerError  # noqa: E402
+from tests.weights.node.weights_node_sliced_worker import S  # noqa: E402
+from tests.weights.node.weights_node_worker import Group, WorkerError  # noqa: E402
 
 N = 4  # subgraphs of the small model
 SHAPES = [((16, 24), "float32"), ((7,), "bfloat16"), ((3, 5), "int8"), ((0, 4), "float16"), ((), "float32")]
@@ -30,7 +30,7 @@ def group():
 
 
 def test_onload_mode_setting_parses_and_names_a_garbage_value(monkeypatch):
-    from offcache.weights import node_sliced
+    from offcache.weights.node import sliced as node_sliced
 
     monkeypatch.delenv("OFFCACHE_NODE_ONLOAD", raising=False)
     assert node_sliced.onload_mode() == "full"  # the default

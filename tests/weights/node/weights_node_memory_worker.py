@@ -1,4 +1,4 @@
-"""Worker functions for tests/weights/test_weights_node.py's memory tests (an allocation failing on one
+"""Worker functions for tests/weights/node/test_weights_node.py's memory tests (an allocation failing on one
 rank; node host memory as PSS), run through weights_node_worker's ``Group`` as
 ``group.call(M + "<function>", ...)``."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.weights.weights_node_worker import _S, make
+from tests.weights.node.weights_node_worker import _S, make
 
 
 def memory_error(failing: int, how: str) -> dict:
@@ -23,7 +23,7 @@ def memory_error(failing: int, how: str) -> dict:
     def no_memory(*args, **kwargs):
         raise OSError(errno.ENOMEM, "Cannot allocate memory")
 
-    region = weights_node._node.region
+    region = weights_node.GROUP.node.region
     name = "allocate" if failing == 0 else "span"  # rank 0 is the source
     messages: list[str] = []
     handler = logger.add(lambda m: messages.append(m.record["message"]), level="WARNING")

@@ -1,6 +1,6 @@
-"""The one-line reproduction run on the H200 (2026-12-04, by 2026-12-04-h200-diag-script.sh): an
+"""The one-line reproduction run on the H200 (2026-12-04, by benchmarks/diag.sh): an
 engine error message holding a number, raised by the engine and by torch, in a fresh interpreter.
-`python3 2026-12-04-h200-diag-repro.py value|runtime|value_cuda|torch_value`."""
+`python3 benchmarks/diag_repro.py value|runtime|value_cuda|torch_value`."""
 
 import faulthandler
 import sys

@@ -1,6 +1,6 @@
-"""Worker functions for tests/weights/test_weights_node_sliced.py and test_gpu_weights_node.py: the node
-region's sliced onload (offcache/weights/node_sliced.py), run on the ranks of
-tests/weights/weights_node_worker.py's ``Group`` as ``group.call(S + "<function>", ...)``.
+"""Worker functions for tests/weights/node/test_weights_node_sliced.py and test_gpu_weights_node.py: the node
+region's sliced onload (offcache/weights/node/sliced.py), run on the ranks of
+tests/weights/node/weights_node_worker.py's ``Group`` as ``group.call(S + "<function>", ...)``.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from tests.weights.weights_node_engine_worker import _Subgraph
-from tests.weights.weights_node_worker import _describe
+from tests.weights.node.weights_node_engine_worker import _Subgraph
+from tests.weights.node.weights_node_worker import _describe
 
-S = "tests.weights.weights_node_sliced_worker:"
+S = "tests.weights.node.weights_node_sliced_worker:"
 _S: dict[str, Any] = {}
 # Every torch.distributed function a cache could call (counted while a pipeline runs).
 _COLLECTIVES = ("broadcast_object_list", "all_gather_object", "barrier", "broadcast", "all_gather", "all_reduce",
@@ -24,7 +24,8 @@ _COLLECTIVES = ("broadcast_object_list", "all_gather_object", "barrier", "broadc
 
 def use_mode(mode: str) -> bool:
     """OFFCACHE_NODE_ONLOAD=`mode` on this rank, and the node set up anew (collective): whether sliced."""
-    from offcache.weights import node, node_sliced
+    from offcache.weights import node
+    from offcache.weights.node import sliced as node_sliced
 
     os.environ["OFFCACHE_NODE_ONLOAD"] = mode
     node.reset()
@@ -146,7 +147,7 @@ def offload_pair(mod: str, shapes: list, device: str = "cpu") -> None:
     from compressed_tensors.offload.cache import DistributedCPUCache
 
     from offcache.weights.node import NodeSharedCPUCache
-    from tests.weights.weights_node_worker import make
+    from tests.weights.node.weights_node_worker import make
 
     def mapping():
         return {f"t{i}": make(shape, dtype, 10 + i) for i, (shape, dtype) in enumerate(shapes)}
@@ -198,7 +199,7 @@ def write(mod: str, name: str, seed: int, writer: int) -> None:
     """Rank `writer` alone assigns a new value to both classes' `name`; then a barrier."""
     import torch.distributed as dist
 
-    from tests.weights.weights_node_worker import make
+    from tests.weights.node.weights_node_worker import make
 
     for cache in _S[mod]:
         old = cache.offloaded_values[name]
@@ -213,17 +214,17 @@ def skew_generations(on: bool) -> None:
     from offcache.weights.node import NodeSharedCPUCache
 
     if on:
-        real = NodeSharedCPUCache._tag
+        real = NodeSharedCPUCache.tag
         _S["real_tag"] = real
-        NodeSharedCPUCache._tag = lambda self, offloaded: real(self, offloaded) - 2
+        NodeSharedCPUCache.tag = lambda self, offloaded: real(self, offloaded) - 2
     elif "real_tag" in _S:
-        NodeSharedCPUCache._tag = _S.pop("real_tag")
+        NodeSharedCPUCache.tag = _S.pop("real_tag")
 
 
 def clear_prefetched() -> None:
-    from offcache.weights.bookkeeping import _state
+    from offcache.weights.bookkeeping import WEIGHTS
 
-    _state.prefetched.clear()
+    WEIGHTS.prefetched.clear()
 
 
 def mark() -> None:

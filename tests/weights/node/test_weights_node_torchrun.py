@@ -1,4 +1,4 @@
-"""offcache's node-shared weights under real torchrun launchers (tests/weights/weights_node_torchrun_script.py).
+"""offcache's node-shared weights under real torchrun launchers (tests/weights/node/weights_node_torchrun_script.py).
 
 One launcher with two processes: one node, one region. Two launchers on this host with ``--nnodes 2``:
 two nodes (torchrun's GROUP_RANK), two regions, the same layout in both. A small model run first on
@@ -23,10 +23,10 @@ import pytest
 pytest.importorskip("compressed_tensors")
 
 from tests.helpers import child_pythonpath  # noqa: E402
-from tests.weights.weights_node_worker import free_port  # noqa: E402
+from tests.weights.node.weights_node_worker import free_port  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "tests", "weights", "weights_node_torchrun_script.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+SCRIPT = os.path.join(ROOT, "tests", "weights", "node", "weights_node_torchrun_script.py")
 WATCHDOG_S = 120
 
 

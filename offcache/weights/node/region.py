@@ -1,4 +1,4 @@
-"""The node's shared region (offcache/weights/node.py explains the whole): one memfd, its allocator,
+"""The node's shared region (offcache/weights/node/__init__.py explains the whole): one memfd, its allocator,
 its mappings (registered with the engine once each) and the generation word of every tensor in it.
 
 Layout: the first page holds the bump pointer (uint64); then batches, each page-aligned: a table
@@ -27,8 +27,8 @@ from offcache import engine as _engine
 _PAGE = mmap.ALLOCATIONGRANULARITY
 _HEADER = _PAGE  # the first page holds the bump pointer (uint64)
 _GROW = 64 << 20  # the region grows in steps of this many bytes
-_ALIGN = 64  # each tensor's offset within a batch
-_WORD = 8  # a generation word
+ALIGN = 64  # each tensor's offset within a batch
+WORD = 8  # a generation word
 
 
 class NodeRegionFallbackWarning(UserWarning):
@@ -47,7 +47,7 @@ class NodeShapeMismatchError(RuntimeError):
     """Ranks disagree on the shape or dtype of a tensor being offloaded."""
 
 
-def _round(n: int, to: int) -> int:
+def round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
@@ -113,7 +113,7 @@ class NodeRegion:
 
     def register_probe(self) -> str:
         """Map the header page through the engine: '' where it registered, else why not (the
-        node then falls back: see node.py)."""
+        node then falls back: see node/__init__.py)."""
         self.probe, reason = _engine.map_shared(self.fd, 0, _HEADER, self.ranks)
         return reason
 
@@ -131,7 +131,7 @@ class NodeRegion:
                         f"node's host limit of {self.limit} bytes (OFFCACHE_HOST_LIMIT x LOCAL_WORLD_SIZE)"
                     )
                 if os.fstat(self.fd).st_size < end:
-                    os.ftruncate(self.fd, min(_round(end, _GROW), self.limit + _HEADER))
+                    os.ftruncate(self.fd, min(round_up(end, _GROW), self.limit + _HEADER))
                 struct.pack_into("<Q", head, 0, max(bump, end))
             return start
         finally:
@@ -139,11 +139,11 @@ class NodeRegion:
 
     def allocate(self, nbytes: int) -> int:
         """A new page-aligned span of `nbytes` (> 0): its file offset."""
-        return self._locked(lambda bump: (bump, bump + _round(nbytes, _PAGE)))
+        return self._locked(lambda bump: (bump, bump + round_up(nbytes, _PAGE)))
 
     def reserve(self, start: int, nbytes: int) -> None:
         """Make [start, start + nbytes) part of the region (another node's allocation, mirrored)."""
-        self._locked(lambda bump: (start, start + _round(nbytes, _PAGE)))
+        self._locked(lambda bump: (start, start + round_up(nbytes, _PAGE)))
 
     @property
     def used(self) -> int:
@@ -154,7 +154,7 @@ class NodeRegion:
     def span(self, start: int, nbytes: int) -> torch.Tensor:
         """The bytes of the span starting at `start` (mapped and registered on first use), as uint8."""
         if start not in self._spans:
-            length = _round(nbytes, _PAGE)
+            length = round_up(nbytes, _PAGE)
             data, reason = _engine.map_shared(self.fd, start, length, self.ranks)
             if reason:
                 self.unpinned.append(reason)
@@ -204,7 +204,7 @@ class NodeRegion:
             return None
         if at not in self._words:
             storage, byte = self.storage(at)
-            self._words[at] = torch.empty(0, dtype=torch.uint8).set_(storage, byte, (_WORD,))
+            self._words[at] = torch.empty(0, dtype=torch.uint8).set_(storage, byte, (WORD,))
         return self._words[at]
 
     # -- this process's tensor of each entry --

@@ -1,4 +1,4 @@
-"""Run under torchrun by tests/weights/test_weights_node_torchrun.py; each rank prints ``RESULT <json>`` lines.
+"""Run under torchrun by tests/weights/node/test_weights_node_torchrun.py; each rank prints ``RESULT <json>`` lines.
 
 ``script.py sums`` (default): offload two modules through compressed-tensors' offload_module with the
 node-shared class, update from the last rank, and print each rank's view.
@@ -164,7 +164,7 @@ def kill() -> None:
     seed = torch.Generator().manual_seed(0)
     t = torch.randn(256, 256, generator=seed) if is_source_process() else torch.empty(256, 256, device="meta")
     cls.from_mapping({"w": t}, "cpu")
-    region = os.fstat(weights_node._node.region.fd)
+    region = os.fstat(weights_node.GROUP.node.region.fd)
     report_in_turn(pid=os.getpid(), cls=cls.__name__, region=[region.st_dev, region.st_ino])
     for rank in range(dist.get_world_size()):
         if rank == dist.get_rank():

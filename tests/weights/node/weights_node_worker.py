@@ -1,4 +1,4 @@
-"""Worker processes for tests/weights/test_weights_node*.py: a real gloo group on localhost.
+"""Worker processes for tests/weights/node/test_weights_node*.py: a real gloo group on localhost.
 
 ``Group(n)`` spawns n processes that join one process group; ``group.call(fn, *args)`` runs the
 function ``fn`` of this module on every rank (each gets its rank's args from ``per_rank`` when
@@ -337,13 +337,13 @@ def region_fds() -> list[str]:
 def region_inode() -> int:
     from offcache.weights import node as weights_node
 
-    return os.fstat(weights_node._node.region.fd).st_ino
+    return os.fstat(weights_node.GROUP.node.region.fd).st_ino
 
 
 def set_limit(limit: int) -> int:
     from offcache.weights import node as weights_node
 
-    region = weights_node._node.region
+    region = weights_node.GROUP.node.region
     old, region.limit = region.limit, limit
     return old
 

@@ -1,4 +1,4 @@
-"""Checkpoint bytes read through the page cache before the engine reads them (offcache.weights.node_disk).
+"""Checkpoint bytes read through the page cache before the engine reads them (offcache.weights.node.disk).
 
 The engine's ``fetch_file`` reads a piece from the page cache where all of it is there, else with
 O_DIRECT: under torchrun every rank of a node would read the disk itself. Here a fetch first
@@ -21,10 +21,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-
-from offcache import engine as _engine
-
-COUNTERS = _engine.WEIGHT_COUNTERS
 
 _ALIGN = 4096  # the engine's kDiskAlign
 _GAP = 1 << 20  # the engine's kFileGap: closer ranges are read as one span
@@ -64,8 +60,9 @@ def spans(ranges: list[tuple[str, int, int] | None]) -> dict[str, list[tuple[int
     return out
 
 
-def warm(ranges: list[tuple[str, int, int] | None]) -> int:
-    """Read `ranges` through the page cache (buffered); returns the bytes read. Errors end it quietly."""
+def warm(ranges: list[tuple[str, int, int] | None], counters: dict | None = None) -> int:
+    """Read `ranges` through the page cache (buffered); returns the bytes read, counted in `counters`
+    (a WeightState's). Errors end it quietly."""
     scratch = getattr(_local, "scratch", None)
     if scratch is None:
         scratch = _local.scratch = memoryview(bytearray(_SCRATCH))
@@ -90,26 +87,28 @@ def warm(ranges: list[tuple[str, int, int] | None]) -> int:
             pass
         finally:
             os.close(fd)
-    COUNTERS["weight_page_cache_bytes"] += done
+    if counters is not None:
+        counters["weight_page_cache_bytes"] += done
     return done
 
 
-def _submit(ranges) -> Future:
+def _submit(ranges, counters) -> Future:
     global _pool, _pool_pid
     if _pool is None or _pool_pid != os.getpid():
         _pool = ThreadPoolExecutor(1, thread_name_prefix="offcache-page-cache")
         _pool_pid = os.getpid()
-    return _pool.submit(warm, ranges)
+    return _pool.submit(warm, ranges, counters)
 
 
 class Deferred:
     """One fetch of a cache's tensors whose engine read waits for their page-cache warm-up.
 
-    ``fetch(offloaded, device)`` is the cache's own read (``OffcacheDiskCache._fetch``), issued once.
+    ``fetch(offloaded, device)`` is the cache's own read (``OffcacheDiskCache.fetch``), issued once;
+    `counters` (its WeightState's) count the bytes warmed.
     """
 
     class Handle:
-        """Stands for fetched tensor `i` until the read is issued (the cache's ``_finish`` takes it)."""
+        """Stands for fetched tensor `i` until the read is issued (the cache's ``finish`` takes it)."""
 
         def __init__(self, deferred: Deferred, i: int):
             self.deferred, self.i = deferred, i
@@ -137,15 +136,16 @@ class Deferred:
         def wait(self) -> None:
             self._real().wait()
 
-    def __init__(self, fetch, offloaded: list[torch.Tensor], device: torch.device, ranges, inline: bool):
+    def __init__(self, fetch, offloaded: list[torch.Tensor], device: torch.device, ranges, counters: dict,
+                 inline: bool):  # fmt: skip
         self.fetch, self.offloaded, self.device = fetch, offloaded, device
         self.results: list[tuple[torch.Tensor, Any]] | None = None
         self.error: Exception | None = None
         if inline:  # the caller needs it now: warm on its thread
             self.future: Future = Future()
-            self.future.set_result(warm(ranges))
+            self.future.set_result(warm(ranges, counters))
         else:
-            self.future = _submit(ranges)
+            self.future = _submit(ranges, counters)
 
     def issue(self) -> list[tuple[torch.Tensor, Any]]:
         """The engine's read, issued (once) after the warm-up; its error, if it failed, every time."""
