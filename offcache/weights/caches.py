@@ -30,6 +30,8 @@ from offcache.weights.bookkeeping import (
     _take_prefetched,
     _wait,
 )
+from offcache.weights import host_trim as _host_trim
+from offcache.weights.file_backed import is_file_backed
 from offcache.weights.files import forget as _forget
 from offcache.weights.files import locate as _locate
 
@@ -113,8 +115,12 @@ def _fetch_host(offloaded: list[Tensor], device: torch.device) -> list[tuple[Ten
     The arena blocks' own fences order later write-backs after these reads.
     """
     fetched, ticket = _engine.fetch(offloaded, device, wait=False)
-    # A CPU tensor offcache does not own, onloaded to the CPU, comes back as is: copy it.
-    return [(f.clone() if f is o else f, ticket) for f, o in zip(fetched, offloaded)]
+    if device.type == "cpu":
+        _host_trim.note(sum(t.nbytes for t in offloaded))
+    # A CPU tensor offcache does not own, onloaded to the CPU, comes back as is: copy it (a leaf,
+    # as Tensor.to's copy under no_grad, even of a Parameter that requires grad).
+    with torch.no_grad():
+        return [(f.clone() if f is o else f, ticket) for f, o in zip(fetched, offloaded)]
 
 
 def _stage_host(tensor: Tensor, pin_memory: bool) -> Tensor:
@@ -175,13 +181,18 @@ class OffcacheCPUCache(EngineCache, CPUCache):
         The same tensor offloaded twice (tied weights) gives the same offloaded tensor: the
         engine's dedup table serves the second store. A tensor offcache holds (arena, spilled
         or disk tier) is offloaded already and comes back as is, as CPUCache gives back a CPU one.
+        So does a CPU tensor in a mapping of a regular file (a checkpoint's safetensors mmap, as
+        transformers loads CPU weights): its pages stay ones the kernel may reclaim under a
+        memory limit, where an arena copy would be memory nothing reclaims (offcache/weights/file_backed.py).
         """
         if tensor is None:
             return None
-        if _engine.is_offcache_tensor(tensor):
+        if _engine.is_offcache_tensor(tensor) or is_file_backed(tensor):
             return tensor
         with torch.no_grad():
             (stored,) = _engine.store([tensor], _CPU)
+        if tensor.device.type == "cpu":
+            _host_trim.note(tensor.nbytes)  # the caller frees its copy
         # CPUCache's offload is readable on return (callers read it on the host, and the
         # source may be the last copy of a loaded model's tensor): wait for it. Offloads happen
         # once, when a model is dispatched; the pipeline's traffic is onloads and write-backs.
@@ -190,7 +201,19 @@ class OffcacheCPUCache(EngineCache, CPUCache):
         return _like(stored, tensor)
 
     def onload(self, offloaded: Tensor | None) -> Tensor | None:
-        """A copy of `offloaded` on the onload device: the prefetched one if there is one."""
+        """A copy of `offloaded` on the onload device: the prefetched one if there is one.
+
+        A file-backed tensor (offload keeps a checkpoint's mapping as is) onloaded to the CPU is
+        handed out itself, as CPUCache's onload does: a copy would be anonymous memory, a whole
+        module's worth at a time, that the allocator may keep after it is freed.
+        """
+        if (
+            offloaded is not None
+            and _onload_device(self).type == "cpu"
+            and not _engine.is_offcache_tensor(offloaded)
+            and is_file_backed(offloaded)
+        ):
+            return offloaded
         return _onload(self, offloaded)
 
     def _prefetchable(self, offloaded: Tensor, device: torch.device) -> bool:
@@ -232,6 +255,8 @@ class OffcacheCPUCache(EngineCache, CPUCache):
             offloaded.copy_(data)
             return
         src = torch.empty_like(offloaded, device=data.device)
+        if src.device.type == "cpu":
+            _host_trim.note(src.nbytes)
         src.copy_(data)  # dtype cast and broadcast as Tensor.copy_ does
         try:
             ticket = _engine.copy_into([offloaded], [src], wait=False)
