@@ -23,6 +23,7 @@ except ModuleNotFoundError as _missing:  # one line naming the extra
 
 
 from offcache import engine as _engine
+from offcache.weights import host_trim as _host_trim
 from offcache.weights.bookkeeping import (
     _drop_prefetched,
     _flush,
@@ -30,7 +31,6 @@ from offcache.weights.bookkeeping import (
     _take_prefetched,
     _wait,
 )
-from offcache.weights import host_trim as _host_trim
 from offcache.weights.file_backed import is_file_backed
 from offcache.weights.files import forget as _forget
 from offcache.weights.files import locate as _locate
@@ -181,16 +181,25 @@ class OffcacheCPUCache(EngineCache, CPUCache):
         The same tensor offloaded twice (tied weights) gives the same offloaded tensor: the
         engine's dedup table serves the second store. A tensor offcache holds (arena, spilled
         or disk tier) is offloaded already and comes back as is, as CPUCache gives back a CPU one.
-        So does a CPU tensor in a mapping of a regular file (a checkpoint's safetensors mmap, as
-        transformers loads CPU weights): its pages stay ones the kernel may reclaim under a
-        memory limit, where an arena copy would be memory nothing reclaims (offcache/weights/file_backed.py).
+
+        A CPU tensor in a mapping of a regular file (a checkpoint's safetensors mmap, as
+        transformers loads CPU weights) holds pages the kernel may reclaim under a memory limit;
+        an arena copy is memory nothing reclaims. Onloaded to the CPU it comes back as is (the
+        caller computes on the mapping, as with CPUCache); onloaded to a device it is copied into
+        the arena while that fits the pinned and host limits, and past them stays the mapping
+        (never spilled to the disk tier: the checkpoint is its disk copy). See file_backed.py.
         """
         if tensor is None:
             return None
-        if _engine.is_offcache_tensor(tensor) or is_file_backed(tensor):
+        if _engine.is_offcache_tensor(tensor):
+            return tensor
+        file_backed = is_file_backed(tensor)
+        if file_backed and _onload_device(self).type == "cpu":
             return tensor
         with torch.no_grad():
-            (stored,) = _engine.store([tensor], _CPU)
+            (stored,) = _engine.store([tensor], _CPU, allow_spill=not file_backed)
+        if stored is tensor:  # file-backed, and no room in the arena: the mapping itself
+            return tensor
         if tensor.device.type == "cpu":
             _host_trim.note(tensor.nbytes)  # the caller frees its copy
         # CPUCache's offload is readable on return (callers read it on the host, and the
@@ -307,6 +316,15 @@ class OffcacheDiskCache(EngineCache, DiskCache):
     write files as DiskCache does; a prefetched copy of an updated weight is dropped.
     """
 
+    def __init__(self, onload_device, offload_device=None, offload_dir: str | None = None):
+        # No folder given (a disk share offcache's placement planned): offcache's, where it has a
+        # disk tier; else DiskCache's error asking for one.
+        if offload_dir is None:
+            from offcache.weights.placement import default_offload_dir
+
+            offload_dir = default_offload_dir()
+        super().__init__(onload_device, offload_device=offload_device, offload_dir=offload_dir)
+
     def onload(self, offloaded: Tensor | None) -> Tensor | None:
         """A copy of `offloaded` on the onload device: read from its file (a meta tensor), or,
         once staged (compressed-tensors 0.20's ``is_staged``), fetched from the staged host copy."""
@@ -348,6 +366,8 @@ class OffcacheDiskCache(EngineCache, DiskCache):
                 by_file.setdefault(real, []).append((i, where))
         for real, entries in by_file.items():
             tensors, ticket = _engine.fetch_file(real, [where for _, where in entries], device, wait=False)
+            if device.type == "cpu":
+                _host_trim.note(sum(t.nbytes for t in tensors))
             _READS[real] = ticket
             for (i, _), tensor in zip(entries, tensors):
                 out[i] = (tensor, ticket)

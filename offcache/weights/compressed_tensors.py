@@ -71,7 +71,7 @@ except ModuleNotFoundError as _missing:  # one line naming the extra
 from loguru import logger  # llm-compressor's and compressed-tensors' logger: its INFO lines show
 
 from offcache import engine as _engine  # noqa: F401  (tests patch the engine through this module)
-from offcache.weights import node_sliced
+from offcache.weights import node_sliced, placement
 from offcache.weights.bookkeeping import (
     _flush_all,
     _Prefetched,
@@ -282,6 +282,7 @@ def patch() -> None:
     OffloadCache.cls_from_device = classmethod(_cls_from_device)
     OffloadCache.disable_offloading = classmethod(_disable_offloading)
     pipeline.trace_subgraphs = _trace_subgraphs
+    placement.patch()
     _state.history.clear()
     _state.patched = True
 
@@ -297,6 +298,7 @@ def unpatch() -> None:
     OffloadCache.disable_offloading = _originals.pop((OffloadCache, "disable_offloading"))
     pipeline = sys.modules["llmcompressor.pipelines.sequential.pipeline"]
     pipeline.trace_subgraphs = _originals.pop(("pipeline", "trace_subgraphs"))
+    placement.unpatch()
     _flush_all()
     _state.prefetched.clear()
     _state.patched = False

@@ -86,10 +86,18 @@ def test_weights_oneshot_completes_where_llmcompressor_alone_does_with_the_same_
         phases = [line for line in out.stdout.splitlines() if line.startswith("phase")]
         runs[mode] = (out.returncode, phases)
         assert out.returncode == 0, f"{mode}: rc {out.returncode} (-9: OOM-killed) after {phases}\n{out.stderr[-3000:]}"
+        if mode == "weights":  # the CPU's share: the host limit, a quarter of the cgroup's limit; the rest on disk
+            said = [line for line in (out.stdout + out.stderr).splitlines() if "offcache weights placement:" in line]
+            assert len(said) == 1 and "of the cgroup's limit 1153433600 bytes" in said[0], said or out.stderr[-3000:]
+            assert " 0 bytes on disk" not in said[0], said[0]
     a, b = _saved(tmp_path / "none"), _saved(tmp_path / "weights")
     assert a.keys() == b.keys() and len(a) > 100
     assert any(t.dtype == torch.float8_e4m3fn for t in a.values())
-    differ = [k for k in a if a[k].dtype != b[k].dtype or not torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8))]
+
+    def same(x, y) -> bool:
+        return x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+
+    differ = [k for k in a if not same(a[k], b[k])]
     assert not differ, f"saved tensors differ from llm-compressor alone's: {differ[:5]}"
 
 
@@ -144,3 +152,27 @@ def test_host_copies_return_the_freed_heap_every_trim_bytes(monkeypatch):
     assert calls == [0]
     host_trim.note(host_trim.TRIM_BYTES // 2)
     assert calls == [0]
+
+
+def test_a_file_backed_weight_onloaded_to_a_device_is_copied_while_the_host_limit_allows(patched, tmp_path,
+                                                                                         engine_config):  # fmt: skip
+    """The arena copy (fast device transfers) where it fits the host limit; past it the mapping, never spilled."""
+    from offcache import engine as _engine
+    from offcache.weights.compressed_tensors import OffcacheCPUCache
+
+    if _machine.filesystem_type(str(tmp_path)) in _machine._MEMORY_FS:
+        pytest.skip(f"{tmp_path} is on a memory file system")
+    weight = _mapped(tmp_path, 1 << 20)  # 4 MiB
+    # "meta" stands for a device here: any onload device but the CPU takes the same path.
+    engine_config(backend="host", host_limit="1MiB", disk_dir="none")
+    kept = OffcacheCPUCache("meta").offload(weight)
+    assert kept is weight and offcache_stats()["disk_bytes"] == 0
+    engine_config(backend="host", host_limit="64MiB", disk_dir="none")
+    copied = OffcacheCPUCache("meta").offload(weight)
+    assert _engine.is_offcache_tensor(copied) and torch.equal(copied, weight)
+
+
+def offcache_stats() -> dict:
+    import offcache
+
+    return offcache.stats()
