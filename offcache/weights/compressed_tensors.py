@@ -71,7 +71,7 @@ except ModuleNotFoundError as _missing:  # one line naming the extra
 from loguru import logger  # llm-compressor's and compressed-tensors' logger: its INFO lines show
 
 from offcache import engine as _engine  # noqa: F401  (tests patch the engine through this module)
-from offcache.weights import node_sliced, placement
+from offcache.weights import fit, node_sliced, placement
 from offcache.weights.bookkeeping import (
     _flush_all,
     _Prefetched,
@@ -264,7 +264,11 @@ def _disable_offloading(cls):
 
 
 def _trace_subgraphs(*args, **kwargs):
-    return _wrap_subgraphs(_originals[("pipeline", "trace_subgraphs")](*args, **kwargs))
+    subgraphs = _originals[("pipeline", "trace_subgraphs")](*args, **kwargs)
+    model = args[0] if args else kwargs.get("model")
+    sample_input = args[1] if len(args) > 1 else kwargs.get("sample_input")
+    fit.check(subgraphs, model, sample_input)  # SubgraphMemoryError before any calibration
+    return _wrap_subgraphs(subgraphs)
 
 
 def patch() -> None:
