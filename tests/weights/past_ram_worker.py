@@ -1,7 +1,7 @@
 """One past-RAM oneshot, run as a script (in a memory cgroup by tests/weights/test_weights_past_ram.py):
 
     python past_ram_worker.py make MODEL_DIR LAYERS HIDDEN INTERMEDIATE
-    python past_ram_worker.py run MODEL_DIR OUT_DIR MODE
+    python past_ram_worker.py run MODEL_DIR OUT_DIR MODE [fp8|gptq]
 
 `make` saves a random bf16 Llama checkpoint. `run` loads MODEL_DIR with compressed-tensors'
 ``load_offloaded_model(device_map="auto_offload")``, patches llm-compressor per MODE ("none":
@@ -32,13 +32,13 @@ def _rss() -> str:
         return " ".join(line.split()[0] + line.split()[1] for line in f if line.startswith(("RssAnon", "RssFile")))
 
 
-def run(model_dir: str, out_dir: str, mode: str) -> None:
+def run(model_dir: str, out_dir: str, mode: str, scheme: str = "fp8") -> None:
     import datasets
     import torch
     import transformers
     from compressed_tensors.offload import load_offloaded_model
     from llmcompressor import oneshot
-    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
 
     torch.set_num_threads(1)  # bit-identical runs
     if mode != "none":
@@ -58,7 +58,11 @@ def run(model_dir: str, out_dir: str, mode: str) -> None:
         model=model,
         tokenizer=tokenizer,
         dataset=dataset,
-        recipe=QuantizationModifier(targets="Linear", scheme="FP8", ignore=["lm_head"]),
+        recipe=(
+            QuantizationModifier(targets="Linear", scheme="FP8", ignore=["lm_head"])
+            if scheme == "fp8"
+            else GPTQModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"])
+        ),
         num_calibration_samples=4,
         max_seq_length=16,
         pipeline="sequential",
@@ -73,4 +77,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "make":
         make(sys.argv[2], *map(int, sys.argv[3:6]))
     else:
-        run(*sys.argv[2:5])
+        run(*sys.argv[2:6])

@@ -5,9 +5,11 @@ quantized (FP8 with static activation scales, calibrated, sequential pipeline) a
 ``save_pretrained(save_compressed=True)``, in an 1100 MiB memory cgroup (importing torch and
 llm-compressor takes ~0.8 GiB of it). llm-compressor alone completes there: its CPU weights stay
 pages of the checkpoint's mapping, which the kernel reclaims under the limit. So must
-``patch_llmcompressor(weights=True)``, with the same saved tensors, byte for byte. (It was
-OOM-killed while saving: offcache copied the mapped weights into anonymous memory, and the heap
-its host copies left freed stayed resident.)
+``patch_llmcompressor(weights=True)``, with the same saved tensors, byte for byte, its weights placed
+by offcache's host limit (a quarter of the cgroup's: about half the checkpoint on the CPU, the rest
+read from the checkpoint's files as a disk offload) and said in one log line. (It was OOM-killed
+while saving: offcache copied the mapped weights into anonymous memory, and the heap its host
+copies left freed stayed resident.)
 """
 
 from __future__ import annotations
