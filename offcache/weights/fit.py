@@ -55,26 +55,23 @@ def device_room(device: torch.device) -> tuple[int, str]:
 
 
 def _weights(modules) -> dict[torch.device, int]:
-    """Bytes of the modules' weights by onload device (an offloaded tensor's, else where it lies)."""
+    """Bytes of the modules' offloaded weights by onload device. A weight not offloaded is resident
+    already (in the memory in use, or on its device) and takes nothing more to run."""
     from compressed_tensors.offload.cache import OffloadCache
 
     out: dict[torch.device, int] = {}
     seen: set[int] = set()
     for module in modules:
         for cache in (module._parameters, module._buffers):
-            if isinstance(cache, OffloadCache):
-                device = torch.device(cache.onload_device)
-                values = cache.offloaded_values.values()
-            else:
-                device, values = None, cache.values()
-            for tensor in values:
+            if not isinstance(cache, OffloadCache):
+                continue
+            where = torch.device(cache.onload_device)
+            if where.type == "cuda" and where.index is None:
+                where = torch.device("cuda", torch.cuda.current_device())
+            for tensor in cache.offloaded_values.values():
                 if tensor is None or id(tensor) in seen:
                     continue
                 seen.add(id(tensor))
-                where = device if device is not None else tensor.device
-                if where.type == "meta":
-                    continue
-                where = torch.device("cuda", torch.cuda.current_device()) if where == torch.device("cuda") else where
                 out[where] = out.get(where, 0) + tensor.nbytes
     return out
 

@@ -23,10 +23,23 @@ class _Subgraph:
         return [m for top in self.modules for m in top.modules()]
 
 
-def _model():
+def _model(offloaded: bool = True):
+    from compressed_tensors.offload import offload_module
+
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 1024))  # 257 KiB, 1.0 MiB
     model.config = transformers.PretrainedConfig(hidden_size=256)
+    if offloaded:
+        for layer in model:
+            offload_module(layer, "cpu", "cpu")
     return model
+
+
+def test_weights_not_offloaded_are_resident_already_and_count_nothing():
+    model = _model(offloaded=False)
+    sample = {"input_ids": torch.zeros(1, 16, dtype=torch.long)}
+    fit.check([_Subgraph(model[1])], model, sample, room=lambda device: (fit.activation_bytes(model, sample), "x"))
+    assert fit._weights(model.modules()) == {}
+    assert fit._weights(_model().modules()) == {torch.device("cpu"): sum(p.nbytes for p in model.parameters())}
 
 
 def test_the_first_subgraph_too_large_is_named_with_its_bytes_and_the_limit():
