@@ -12,8 +12,8 @@ dispatched, the bytes on the CPU, on disk and on devices, and why.
 
 A disk share needs a folder: where the caller gave no ``offload_folder``, one under offcache's disk
 tier (``<OFFCACHE_DISK_DIR>/weights-<pid>``, made when first needed) holds compressed-tensors'
-links and the weights calibration rewrites. Without a disk tier, compressed-tensors' own error asks
-for ``offload_folder``.
+links and the weights calibration rewrites. Without a disk tier, or under torch.distributed (the
+ranks share one folder the caller names), compressed-tensors' own error asks for ``offload_folder``.
 """
 
 from __future__ import annotations
@@ -60,8 +60,9 @@ def default_offload_dir() -> str | None:
     if _folder:
         return _folder[0]
     disk = _engine.settings().get("disk_dir") or ""
-    if not disk:
-        return None
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if not disk or (distributed and torch.distributed.get_world_size() > 1):
+        return None  # ranks would each make their own: the caller's folder, shared, or DiskCache's error
     folder = os.path.join(disk, f"weights-{os.getpid()}")
     os.makedirs(folder, mode=0o700, exist_ok=True)
     _folder.append(folder)

@@ -75,3 +75,16 @@ def test_unpatched_load_is_compressed_tensors_own(tiny_model_dir):
     offcache.unpatch_llmcompressor()
     assert load._get_cpu_memory.__module__ == "compressed_tensors.offload.load"
     assert load.from_accelerate.__module__.startswith("compressed_tensors")
+
+
+def test_no_default_offload_folder_without_a_disk_tier_or_across_ranks(engine_config, tmp_path, monkeypatch):
+    monkeypatch.setattr(placement, "_folder", [])
+    engine_config(backend="host", disk_dir="none")
+    assert placement.default_offload_dir() is None
+    engine_config(backend="host", disk_dir=str(tmp_path))
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    assert placement.default_offload_dir() is None  # each rank would make its own
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 1)
+    assert placement.default_offload_dir() == str(tmp_path / f"weights-{os.getpid()}")
+    assert (tmp_path / f"weights-{os.getpid()}").is_dir()
