@@ -27,6 +27,7 @@ import torch
 from loguru import logger
 
 from offcache import engine as _engine
+from offcache.engine import config as _engine_settings
 from offcache.engine import machine as _machine
 from offcache.util.units import bytes_text
 
@@ -50,8 +51,14 @@ def cpu_share(upstream: int) -> tuple[int, str]:
     host_why = f"offcache's host limit {bytes_text(host)} ({given}, OFFCACHE_HOST_LIMIT)"
     upstream_why = (f"compressed-tensors' share {bytes_text(max(upstream, 0))} (the host's available memory "
                     "less extra_cpu_mem)")  # fmt: skip
-    if host and host < upstream:
+    # Outside a memory cgroup, and with no host limit given, compressed-tensors' share stands: the host's
+    # available memory is the real bound there, and a default quarter of RAM would send to disk what the
+    # peer alone keeps in memory.
+    bound = limited or str(spec).strip() != str(_engine_settings.DEFAULTS["host_limit"])
+    if host and host < upstream and bound:
         return host, f"{host_why}, under {upstream_why}"
+    if not bound:
+        return max(upstream, 0), f"{upstream_why} (no memory cgroup and no OFFCACHE_HOST_LIMIT given)"
     return max(upstream, 0), f"{upstream_why}, under {host_why}"
 
 

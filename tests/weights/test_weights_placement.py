@@ -8,6 +8,8 @@ import os
 import pytest
 import torch
 
+from offcache import engine as offcache_engine
+
 pytest.importorskip("llmcompressor")
 transformers = pytest.importorskip("transformers")
 
@@ -32,6 +34,22 @@ def test_cpu_share_is_the_smaller_of_compressed_tensors_and_the_host_limit(engin
     share, why = placement.cpu_share(2 * MiB)
     assert share == 2 * MiB and why.startswith("compressed-tensors' share 2097152 bytes")
     assert placement.cpu_share(-5)[0] == 0  # available less extra_cpu_mem below zero: nothing on the CPU
+
+
+def test_outside_a_cgroup_the_default_host_limit_leaves_compressed_tensors_share(engine_config, monkeypatch):
+    """No memory cgroup and no host limit given: the host's available memory is the bound, and the peer's
+    own share stands (a default quarter of RAM would send to disk what compressed-tensors keeps in memory).
+    In a cgroup smaller than RAM, the default host limit bounds it."""
+    from offcache.engine import machine
+
+    engine_config(backend="host", disk_dir="none")
+    host = int(offcache_engine.settings()["host_limit"])
+    monkeypatch.setattr(machine, "cgroup_memory_limit", lambda: None)
+    share, why = placement.cpu_share(host * 3)
+    assert share == host * 3 and "no memory cgroup" in why, why
+    monkeypatch.setattr(machine, "cgroup_memory_limit", lambda: machine.total_ram_bytes() // 2)
+    share, why = placement.cpu_share(machine.total_ram_bytes())
+    assert share == host and why.startswith("offcache's host limit"), why
 
 
 def test_auto_offload_under_a_small_host_limit_puts_the_rest_on_disk_and_says_so(tiny_model_dir, engine_config,
