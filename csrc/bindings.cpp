@@ -331,7 +331,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Tests: the registration of chunk `after` of the next map_shared fails, once.");
   m.def("_set_register_chunk", &offcache::set_register_chunk, py::arg("chunk"),
         "Tests: the largest registration of a shared mapping (0: 64 GiB).");
-  m.def("engine_created", &offcache::global_engine_created);
   m.def("configure", &offcache::configure_global_engine, py::arg("backend"),
         py::arg("pinned_limit"), py::arg("min_chunk"), py::arg("max_in_flight"),
         py::arg("host_copy_delay_us"), py::arg("disk_dir") = "", py::arg("host_limit") = SIZE_MAX,

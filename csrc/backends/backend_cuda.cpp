@@ -496,9 +496,9 @@ class CudaBackend : public Backend {
   }
 
   bool packs_outputs(c10::Device consumer) const override {
-    // recordStream on a pointer the allocator did not make, as a packed output is (issue 32
-    // item 3): the native caching allocator ignores it, cudaMallocAsync asserts, a pluggable
-    // allocator hands it to the user's hook. Only the native one packs.
+    // recordStream on a pointer the allocator did not make, as a packed output is: the native
+    // caching allocator ignores it, cudaMallocAsync asserts, a pluggable allocator hands it to the
+    // user's hook. Only the native one packs.
     return !consumer.is_cuda() || c10::cuda::CUDACachingAllocator::name() == "native";
   }
 

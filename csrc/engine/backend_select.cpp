@@ -106,11 +106,6 @@ EngineUse::EngineUse() {
   }
 }
 
-bool global_engine_created() {
-  std::lock_guard<std::mutex> lock(g_mu);
-  return g_engine != nullptr;
-}
-
 void configure_global_engine(const std::string& backend, size_t pinned_limit, size_t min_chunk,
                              size_t max_in_flight, int64_t host_copy_delay_us,
                              const std::string& disk_dir, size_t host_limit) {

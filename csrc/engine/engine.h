@@ -405,7 +405,6 @@ class EngineUse {
 void configure_global_engine(const std::string& backend, size_t pinned_limit, size_t min_chunk,
                              size_t max_in_flight, int64_t host_copy_delay_us,
                              const std::string& disk_dir = "", size_t host_limit = SIZE_MAX);
-bool global_engine_created();
 // synchronize() on every engine: the current one and those replaced by configure().
 void synchronize_all();
 // Engines replaced by configure() that still serve tensors, and their reserved bytes.

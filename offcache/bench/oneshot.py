@@ -99,6 +99,12 @@ def _load(ctx: Context, model_dir: Path, dtype: torch.dtype, offload_weights: bo
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     if not offload_weights:  # on the device: the pipeline's onload is a no-op
         model = model.to(ctx.device)
+    elif ctx.device.type == "cpu":
+        # In the process's own memory, every run alike: a checkpoint's mapping onloaded to the CPU
+        # stays the mapping, and would not reach the engine (docs/larger-than-ram.md).
+        with torch.no_grad():
+            for p in model.parameters():
+                p.data = p.data.clone()
     return model.eval(), transformers.AutoTokenizer.from_pretrained(model_dir)
 
 

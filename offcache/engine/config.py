@@ -38,7 +38,7 @@ DEFAULTS: dict[str, str | int] = {
     # pageable memory; the rest of the process needs at least as much again: fetch outputs, the
     # model's CPU weights, the interpreter and torch, the page cache of the disk tier's mappings.
     # In a 2 GiB cgroup a 1 GiB limit (50%) was OOM-killed in the fetch loop while 512 MiB (25%)
-    # peaked at 1.6 GiB (issue 19), so 25%; a pinned budget above the host limit would never
+    # peaked at 1.6 GiB, so 25%; a pinned budget above the host limit would never
     # be used, so it is 25% too.
     "pinned_limit": "25%",
     "min_chunk": "2MiB",

@@ -8,6 +8,8 @@
     files.py               where a checkpoint's tensors lie in their safetensors files
     drift.py               the guard that compressed-tensors is the version these classes mirror
     node/                  the node-shared caches under torch.distributed (node/__init__.py maps it)
+    memory/                under a memory limit: placement, fit (SubgraphMemoryError), file-backed
+                           weights, the heap trim
 
 caches.py, ct_patch.py and node/ need compressed-tensors (``pip install
 'offcache[llmcompressor]'``); import them by name: ``from offcache.weights import compressed_tensors``.

@@ -24,6 +24,8 @@ except ModuleNotFoundError as _missing:  # one line naming the extra
 
 from offcache import engine as _engine
 from offcache.weights.bookkeeping import WEIGHTS, WeightState, onload_device
+from offcache.weights.memory import host_trim
+from offcache.weights.memory.file_backed import is_file_backed
 from offcache.weights.files import forget as _forget
 from offcache.weights.files import locate as _locate
 from offcache.weights.interface import WeightCache
@@ -62,8 +64,12 @@ def fetch_host(offloaded: list[Tensor], device: torch.device) -> list[tuple[Tens
     The arena blocks' own fences order later write-backs after these reads.
     """
     fetched, ticket = _engine.fetch(offloaded, device, wait=False)
-    # A CPU tensor offcache does not own, onloaded to the CPU, comes back as is: copy it.
-    return [(f.clone() if f is o else f, ticket) for f, o in zip(fetched, offloaded)]
+    if device.type == "cpu":
+        host_trim.note(sum(t.nbytes for t in offloaded))
+    # A CPU tensor offcache does not own, onloaded to the CPU, comes back as is: copy it (a leaf,
+    # as Tensor.to's copy under no_grad, even of a Parameter that requires grad).
+    with torch.no_grad():
+        return [(f.clone() if f is o else f, ticket) for f, o in zip(fetched, offloaded)]
 
 
 def _stage_host(tensor: Tensor, pin_memory: bool) -> Tensor:
@@ -113,13 +119,27 @@ class OffcacheCPUCache(EngineCache, CPUCache):
         The same tensor offloaded twice (tied weights) gives the same offloaded tensor: the
         engine's dedup table serves the second store. A tensor offcache holds (arena, spilled
         or disk tier) is offloaded already and comes back as is, as CPUCache gives back a CPU one.
+
+        A CPU tensor in a mapping of a regular file (a checkpoint's safetensors mmap, as
+        transformers loads CPU weights) holds pages the kernel may reclaim under a memory limit;
+        an arena copy is memory nothing reclaims. Onloaded to the CPU it comes back as is (the
+        caller computes on the mapping, as with CPUCache); onloaded to a device it is copied into
+        the arena while that fits the pinned and host limits, and past them stays the mapping
+        (never spilled to the disk tier: the checkpoint is its disk copy). See file_backed.py.
         """
         if tensor is None:
             return None
         if _engine.is_offcache_tensor(tensor):
             return tensor
+        file_backed = is_file_backed(tensor)
+        if file_backed and onload_device(self).type == "cpu":
+            return tensor
         with torch.no_grad():
-            (stored,) = _engine.store([tensor], _CPU)
+            (stored,) = _engine.store([tensor], _CPU, allow_spill=not file_backed)
+        if stored is tensor:  # file-backed, and no room in the arena: the mapping itself
+            return tensor
+        if tensor.device.type == "cpu":
+            host_trim.note(tensor.nbytes)  # the caller frees its copy
         # CPUCache's offload is readable on return (callers read it on the host, and the
         # source may be the last copy of a loaded model's tensor): wait for it. Offloads happen
         # once, when a model is dispatched; the pipeline's traffic is onloads and write-backs.
@@ -128,7 +148,19 @@ class OffcacheCPUCache(EngineCache, CPUCache):
         return with_class_of(stored, tensor)
 
     def onload(self, offloaded: Tensor | None) -> Tensor | None:
-        """A copy of `offloaded` on the onload device: the prefetched one if there is one."""
+        """A copy of `offloaded` on the onload device: the prefetched one if there is one.
+
+        A file-backed tensor (offload keeps a checkpoint's mapping as is) onloaded to the CPU is
+        handed out itself, as CPUCache's onload does: a copy would be anonymous memory, a whole
+        module's worth at a time, that the allocator may keep after it is freed.
+        """
+        if (
+            offloaded is not None
+            and onload_device(self).type == "cpu"
+            and not _engine.is_offcache_tensor(offloaded)
+            and is_file_backed(offloaded)
+        ):
+            return offloaded
         return self.state.onload(self, offloaded)
 
     def prefetchable(self, offloaded: Tensor, device: torch.device) -> bool:
@@ -170,6 +202,8 @@ class OffcacheCPUCache(EngineCache, CPUCache):
             offloaded.copy_(data)
             return
         src = torch.empty_like(offloaded, device=data.device)
+        if src.device.type == "cpu":
+            host_trim.note(src.nbytes)
         src.copy_(data)  # dtype cast and broadcast as Tensor.copy_ does
         try:
             ticket = _engine.copy_into([offloaded], [src], wait=False)
@@ -218,6 +252,15 @@ class OffcacheDiskCache(EngineCache, DiskCache):
     write files as DiskCache does; a prefetched copy of an updated weight is dropped.
     """
 
+    def __init__(self, onload_device, offload_device=None, offload_dir: str | None = None):
+        # No folder given (a disk share offcache's placement planned): offcache's, where it has a
+        # disk tier; else DiskCache's error asking for one.
+        if offload_dir is None:
+            from offcache.weights.memory.placement import default_offload_dir
+
+            offload_dir = default_offload_dir()
+        super().__init__(onload_device, offload_device=offload_device, offload_dir=offload_dir)
+
     def onload(self, offloaded: Tensor | None) -> Tensor | None:
         """A copy of `offloaded` on the onload device: read from its file (a meta tensor), or,
         once staged (compressed-tensors 0.20's ``is_staged``), fetched from the staged host copy."""
@@ -259,6 +302,8 @@ class OffcacheDiskCache(EngineCache, DiskCache):
                 by_file.setdefault(real, []).append((i, where))
         for real, entries in by_file.items():
             tensors, ticket = _engine.fetch_file(real, [where for _, where in entries], device, wait=False)
+            if device.type == "cpu":
+                host_trim.note(sum(t.nbytes for t in tensors))
             self.state.reads[real] = ticket
             for (i, _), tensor in zip(entries, tensors):
                 out[i] = (tensor, ticket)

@@ -74,6 +74,7 @@ from offcache import engine as _engine  # noqa: F401  (tests patch the engine th
 from offcache.weights.bookkeeping import WEIGHTS, Prefetched, Subgraph, WeightState, onload_device, prefetch_depth
 from offcache.weights.caches import OffcacheCPUCache, OffcacheDiskCache
 from offcache.weights.interface import WeightCache
+from offcache.weights.memory import fit, placement
 from offcache.weights.node import sliced as node_sliced
 
 __all__ = [
@@ -253,7 +254,11 @@ def _disable_offloading(cls, state: WeightState = WEIGHTS):
 
 
 def _trace_subgraphs(*args, **kwargs):
-    return _wrap_subgraphs(_originals[("pipeline", "trace_subgraphs")](*args, **kwargs))
+    subgraphs = _originals[("pipeline", "trace_subgraphs")](*args, **kwargs)
+    model = args[0] if args else kwargs.get("model")
+    sample_input = args[1] if len(args) > 1 else kwargs.get("sample_input")
+    fit.check(subgraphs, model, sample_input)  # SubgraphMemoryError before any calibration
+    return _wrap_subgraphs(subgraphs)
 
 
 def patch() -> None:
@@ -271,6 +276,7 @@ def patch() -> None:
     OffloadCache.cls_from_device = classmethod(_cls_from_device)
     OffloadCache.disable_offloading = classmethod(_disable_offloading)
     pipeline.trace_subgraphs = _trace_subgraphs
+    placement.patch()
     WEIGHTS.history.clear()
     WEIGHTS.patched = True
 
@@ -286,6 +292,7 @@ def unpatch() -> None:
     OffloadCache.disable_offloading = _originals.pop((OffloadCache, "disable_offloading"))
     pipeline = sys.modules["llmcompressor.pipelines.sequential.pipeline"]
     pipeline.trace_subgraphs = _originals.pop(("pipeline", "trace_subgraphs"))
+    placement.unpatch()
     WEIGHTS.flush_all()
     WEIGHTS.prefetched.clear()
     WEIGHTS.patched = False
