@@ -24,11 +24,11 @@ except ModuleNotFoundError as _missing:  # one line naming the extra
 
 from offcache import engine as _engine
 from offcache.weights.bookkeeping import WEIGHTS, WeightState, onload_device
-from offcache.weights.memory import host_trim
-from offcache.weights.memory.file_backed import is_file_backed
 from offcache.weights.files import forget as _forget
 from offcache.weights.files import locate as _locate
 from offcache.weights.interface import WeightCache
+from offcache.weights.memory import host_trim
+from offcache.weights.memory.file_backed import is_file_backed
 
 _CPU = torch.device("cpu")
 # compressed-tensors 0.20's DiskCache.onload casts to the index's dtype, then copies the class (a
