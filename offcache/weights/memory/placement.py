@@ -24,7 +24,6 @@ import shutil
 from typing import Any
 
 import torch
-from loguru import logger
 
 from offcache import engine as _engine
 from offcache.engine import config as _engine_settings
@@ -114,6 +113,8 @@ def _get_cpu_memory(extra_cpu_mem, *args, **kwargs):
 
 
 def _from_accelerate(model, *args, **kwargs):
+    from loguru import logger  # llm-compressor's logger; only reached while patched, where it is installed
+
     out = _originals["from_accelerate"](model, *args, **kwargs)
     logger.info(line(placement(model), _last.pop("why", None)))
     return out
