@@ -29,6 +29,7 @@ thread so that the four runs are deterministic and comparable bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import tempfile
@@ -125,26 +126,63 @@ def quantize(
     model, tokenizer = _load(ctx, model_dir, dtype, offload_weights)
     _sync(ctx)
     t0 = time.perf_counter()
-    oneshot(
-        model=model,
-        tokenizer=tokenizer,
-        dataset=dataset,
-        recipe=GPTQModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"]),
-        num_calibration_samples=shape.samples,
-        max_seq_length=shape.tokens,
-        pipeline="sequential",
-        shuffle_calibration_samples=False,
-        sequential_prefetch=prefetch,
-    )
+    with _timed_batches() as waited:
+        oneshot(
+            model=model,
+            tokenizer=tokenizer,
+            dataset=dataset,
+            recipe=GPTQModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"]),
+            num_calibration_samples=shape.samples,
+            max_seq_length=shape.tokens,
+            pipeline="sequential",
+            shuffle_calibration_samples=False,
+            sequential_prefetch=prefetch,
+        )
     _sync(ctx)
     wall = time.perf_counter() - t0
-    during = offcache.stats()  # before the state dict is read back (its onloads are not oneshot's)
+    during = {**offcache.stats(), **waited}  # before the state dict is read back (its onloads are not oneshot's)
     state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     del model
     gc.collect()
     if ctx.gpu:
         torch.cuda.empty_cache()
     return wall, state, during
+
+
+@contextlib.contextmanager
+def _timed_batches():
+    """Times llm-compressor's sequential pipeline getting each batch: ``batch_wait_s``, the host seconds its
+    thread spends in the batch iterator (the cache's fetch, iter_prefetch's wait or llm-compressor's prefetch
+    thread, and tqdm), and ``batches``, summed over a oneshot. Both None on a version without ``_get_batches``."""
+    import llmcompressor.pipelines.sequential.pipeline as pipeline
+
+    original = getattr(pipeline, "_get_batches", None)
+    waited: dict = {"batches": 0, "batch_wait_s": 0.0}
+    if original is None:
+        yield {"batches": None, "batch_wait_s": None}
+        return
+
+    def timed(*args, **kwargs):
+        batches = original(*args, **kwargs)
+        try:
+            while True:
+                t = time.perf_counter()
+                try:
+                    item = next(batches)
+                finally:
+                    waited["batch_wait_s"] += time.perf_counter() - t
+                waited["batches"] += 1
+                yield item
+        except StopIteration:
+            return
+        finally:
+            batches.close()
+
+    pipeline._get_batches = timed
+    try:
+        yield waited
+    finally:
+        pipeline._get_batches = original
 
 
 def _name(run: tuple[str, bool, bool]) -> str:
@@ -201,6 +239,7 @@ def _one_run(ctx: Context, model_dir: Path, dtype: torch.dtype, shape: Shape, da
         "wall_s_first": wall,
     }
     counted.update({k: after[k] - before[k] for k in after if k.startswith("weight_")})
+    counted.update(batches=after["batches"], batch_wait_s=after["batch_wait_s"])
     if impl == "offcache+weights":  # per disable_offloading() context: hits, misses, waits
         from offcache.weights import ct_patch as oc_ct
 
@@ -232,6 +271,7 @@ def run_oneshot(ctx: Context) -> list[dict]:
             walls: dict[tuple[str, bool, bool], list[float]] = {}
             same: dict[tuple[str, bool, bool], bool] = {}
             counters: dict[tuple[str, bool, bool], dict] = {}
+            waits: dict[tuple[str, bool, bool], list] = {}
             runs = [(i, p, False) for i, p in RUNS] + [(i, p, True) for i, p in weight_runs()]
 
             def made_rows() -> list[dict]:  # from the runs so far
@@ -254,6 +294,9 @@ def run_oneshot(ctx: Context) -> list[dict]:
                         **counters[run],
                     }
                     row["weight_wait_fraction"] = row["weight_host_wait_seconds"] / row["wall_s_first"]
+                    row.update(batch_waits(waits[run], row["batches"]))
+                    if prefetch:  # per round, this run against the same cache's run without prefetch
+                        row.update(paired_ratio(walls[run], walls[(impl, False, offloaded)]))
                     if impl != "llmcompressor":
                         row["speedup_vs_llmcompressor"] = median(walls[("llmcompressor", prefetch, offloaded)]) / wall
                         if prefetch:  # what sequential_prefetch does to this cache: > 1 is faster with it
@@ -261,9 +304,12 @@ def run_oneshot(ctx: Context) -> list[dict]:
                     rows.append(row)
                 return rows
 
-            for _ in range(repeats_for(ctx)):  # interleaved: drift on the machine touches every run alike
-                for run in runs:
+            for round_index in range(repeats_for(ctx)):
+                # Interleaved, every other round in reverse (ABBA): drift on the machine and a run's place
+                # in the round touch every kind alike.
+                for run in runs if round_index % 2 == 0 else runs[::-1]:
                     wall, state, counted = _one_run(ctx, model_dir, dtype, shape, dataset, run)
+                    waits.setdefault(run, []).append(counted["batch_wait_s"])
                     reference = _reference(run)
                     if run not in states:
                         states[run], counters[run] = state, counted
@@ -280,6 +326,27 @@ def run_oneshot(ctx: Context) -> list[dict]:
     return rows
 
 
+def paired_ratio(on: list[float], off: list[float]) -> dict:
+    """Prefetch's cost per round: the median, min and max of on[i] / off[i] (> 1: slower with prefetch).
+
+    The two runs of a round ran side by side, so the machine's drift cancels in their ratio; a ratio of
+    the two medians keeps it."""
+    ratios = [a / b for a, b in zip(on, off)]
+    return {
+        "prefetch_ratio_paired": median(ratios),
+        "prefetch_ratio_min": min(ratios),
+        "prefetch_ratio_max": max(ratios),
+    }
+
+
+def batch_waits(waited: list, batches: int | None) -> dict:
+    """The median over a kind's runs of the seconds the pipeline waited for its batches, and per batch."""
+    if batches is None or any(w is None for w in waited):
+        return {"batch_wait_s": None, "batch_wait_us_per_batch": None}
+    wait = median(waited)
+    return {"batch_wait_s": wait, "batch_wait_us_per_batch": wait / batches * 1e6 if batches else None}
+
+
 def describe(rows: list[dict]) -> str:
     compared = [r for r in rows if r["bit_identical"] is not None]
     same = sum(bool(r["bit_identical"]) for r in compared)
@@ -291,7 +358,12 @@ def describe(rows: list[dict]) -> str:
                 f"{r['impl']} prefetch {'on' if r['prefetch'] else 'off'}{where}: {r['wall_s']:.2f}s "
                 f"(spread {r['spread']:.0%} over {r['repeats']}) vs llm-compressor "
                 f"{r['wall_s'] * r['speedup_vs_llmcompressor']:.2f}s ({r['speedup_vs_llmcompressor']:.2f}x)"
-                + (f", {r['prefetch_speedup']:.2f}x its own time without prefetch" if "prefetch_speedup" in r else "")
+                + (
+                    f", {r['prefetch_ratio_paired']:.2f}x its own time without prefetch (paired median over "
+                    f"{r['repeats']} rounds, {r['prefetch_ratio_min']:.2f}-{r['prefetch_ratio_max']:.2f})"
+                    if "prefetch_ratio_paired" in r
+                    else ""
+                )
             )
         if r["impl"] == "offcache+weights":
             parts.append(

@@ -35,6 +35,14 @@ def test_oneshot_section_gives_bit_identical_weights(tmp_path, capsys):
     assert all(r["quantized"] for r in rows)
     assert all(r["repeats"] == 1 and r["wall_min_s"] <= r["wall_s"] <= r["wall_max_s"] for r in rows)
     assert [r["impl"] for r in rows if "prefetch_speedup" in r] == ["offcache"]
+    # Every prefetch row: its time against the same cache's without prefetch, round by round.
+    assert [(r["impl"], r["prefetch"]) for r in rows if "prefetch_ratio_paired" in r] == [
+        ("llmcompressor", True),
+        ("offcache", True),
+    ]
+    for r in rows:  # the pipeline's wait for its batches: 2 passes of every batch through every subgraph
+        assert r["batches"] > 0 and r["batches"] % (2 * 6) == 0, r["batches"]
+        assert 0 < r["batch_wait_s"] < r["wall_s"] and r["batch_wait_us_per_batch"] > 0
     for r in rows:
         assert r["wall_s"] > 0
         if r["impl"] != "llmcompressor":
@@ -57,3 +65,41 @@ def test_oneshot_section_gives_bit_identical_weights(tmp_path, capsys):
     import offcache
 
     assert lc_cache.IntermediatesCache is not offcache.IntermediatesCache  # unpatched afterwards
+
+
+def test_paired_ratio_is_per_round_and_batch_waits_per_batch():
+    from offcache.bench.oneshot import batch_waits, paired_ratio
+
+    # Drift: the machine slows down over the rounds; each round's pair sees it alike.
+    assert paired_ratio([1.0, 2.2, 3.0], [1.0, 2.0, 3.3]) == {
+        "prefetch_ratio_paired": 1.0,
+        "prefetch_ratio_min": 3.0 / 3.3,
+        "prefetch_ratio_max": 1.1,
+    }
+    assert batch_waits([0.2, 0.1, 0.3], 100) == {"batch_wait_s": 0.2, "batch_wait_us_per_batch": 2000.0}
+    assert batch_waits([None], None) == {"batch_wait_s": None, "batch_wait_us_per_batch": None}
+
+
+def test_rounds_alternate_their_order(monkeypatch, tmp_path):
+    """ABBA: a kind's place in the round alternates, so a place's cost touches every kind alike."""
+    from offcache.bench import oneshot
+    from offcache.bench.common import Context
+
+    order = []
+
+    def fake_run(ctx, model_dir, dtype, shape, dataset, run):
+        order.append(run)
+        return 1.0, {}, {"batch_wait_s": 0.5, "batches": 1, "weight_host_wait_seconds": 0.0, "wall_s_first": 1.0}
+
+    monkeypatch.setattr(oneshot, "_one_run", fake_run)
+    monkeypatch.setattr(oneshot, "_warm_up", lambda *a: None)
+    monkeypatch.setattr(oneshot, "calibration_set", lambda shape: None)
+    monkeypatch.setattr(oneshot, "save_llama", lambda folder, **kw: folder)
+    monkeypatch.setenv("OFFCACHE_BENCH_ONESHOT_REPEATS", "3")
+    monkeypatch.setenv("OFFCACHE_BENCH_ONESHOT_WEIGHTS", "0")
+    rows = oneshot.run_oneshot(
+        Context(device=__import__("torch").device("cpu"), quick=True, tiny=False, backend="host")
+    )
+    runs = [(i, p, False) for i, p in RUNS]
+    assert order == runs + runs[::-1] + runs
+    assert all(r["repeats"] == 3 for r in rows)
