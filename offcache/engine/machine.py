@@ -102,7 +102,14 @@ def usable_memory_bytes() -> int:
 
 
 # File systems whose "files" are memory: a disk tier there would spend the memory it saves.
-_MEMORY_FS = frozenset({"tmpfs", "ramfs", "devtmpfs", "hugetlbfs", "rootfs"})
+MEMORY_FS = frozenset({"tmpfs", "ramfs", "devtmpfs", "hugetlbfs", "rootfs"})
+_MEMORY_FS = MEMORY_FS
+# File systems whose reads cross a network (or a user-space daemon that usually does).
+NETWORK_FS = frozenset({
+    "nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "ceph", "glusterfs", "lustre", "afs", "beegfs", "gpfs",
+    "fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse", "fuse.rclone", "fuse.juicefs", "fuse.goofys",
+    "fuse.mountpoint-s3", "fuse.blobfuse2", "fuse.cephfs", "fuse.glusterfs",
+})  # fmt: skip
 _AUTO_MIN_FREE = 1 << 30  # less free disk than this is no tier worth having
 
 

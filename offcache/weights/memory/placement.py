@@ -8,7 +8,8 @@ also at most offcache's host limit (OFFCACHE_HOST_LIMIT; by default a quarter of
 process may use, the cgroup's limit where that is smaller than RAM): the memory offcache may hold
 on the host, which counts every weight copy. The rest goes to disk, read from the checkpoint's own
 files (compressed-tensors links them; nothing is copied). One log line says, once the model is
-dispatched, the bytes on the CPU, on disk and on devices, and why.
+dispatched, the bytes on the CPU, on disk and on devices, and why; a disk share read from a network
+or memory file system gets a CheckpointFileSystemWarning (checkpoint_fs.py).
 
 A disk share needs a folder: where the caller gave no ``offload_folder``, one under offcache's disk
 tier (``<OFFCACHE_DISK_DIR>/weights-<pid>``, made when first needed) holds compressed-tensors'
@@ -29,11 +30,12 @@ from offcache import engine as _engine
 from offcache.engine import config as _engine_settings
 from offcache.engine import machine as _machine
 from offcache.util.units import bytes_text
+from offcache.weights.memory import checkpoint_fs
 
 _originals: dict[str, Any] = {}
 # The last plan's CPU share and its reason, for the log line after dispatch.
 _last: dict[str, Any] = {}
-_folder: list[str] = []  # the default offload folder, once made
+_folder: list[str] = []  # the default offload folders made (each removed at exit); the last in use
 
 
 def cpu_share(upstream: int) -> tuple[int, str]:
@@ -63,13 +65,13 @@ def cpu_share(upstream: int) -> tuple[int, str]:
 
 def default_offload_dir() -> str | None:
     """The folder for a disk share the caller gave none for: made under the disk tier; None without one."""
-    if _folder:
-        return _folder[0]
     disk = _engine.settings().get("disk_dir") or ""
+    folder = os.path.join(disk, f"weights-{os.getpid()}")
+    if _folder and _folder[-1] == folder and os.path.isdir(folder):
+        return folder  # made for this disk tier, still there (configure() may have named another since)
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     if not disk or (distributed and torch.distributed.get_world_size() > 1):
         return None  # ranks would each make their own: the caller's folder, shared, or DiskCache's error
-    folder = os.path.join(disk, f"weights-{os.getpid()}")
     os.makedirs(folder, mode=0o700, exist_ok=True)
     _folder.append(folder)
     atexit.register(shutil.rmtree, folder, True)  # links and rewritten weights: this process's alone
@@ -117,13 +119,19 @@ def _from_accelerate(model, *args, **kwargs):
 
     out = _originals["from_accelerate"](model, *args, **kwargs)
     logger.info(line(placement(model), _last.pop("why", None)))
+    said = checkpoint_fs.take_messages()
+    for message in said:
+        logger.warning(message)
+    checkpoint_fs.warn(said)
     return out
 
 
 def _create_checkpoint_symlink(cls, offloaded, weight_info, offload_dir):
     if offload_dir is None:
         offload_dir = default_offload_dir()
-    return _originals["create_checkpoint_symlink"].__func__(cls, offloaded, weight_info, offload_dir)
+    out = _originals["create_checkpoint_symlink"].__func__(cls, offloaded, weight_info, offload_dir)
+    checkpoint_fs.note(weight_info["safetensors_file"], offloaded.nbytes)  # read from there at each onload
+    return out
 
 
 def patch() -> None:
@@ -151,3 +159,4 @@ def unpatch() -> None:
     load.from_accelerate = _originals.pop("from_accelerate")
     DiskCache.create_checkpoint_symlink = _originals.pop("create_checkpoint_symlink")
     _last.clear()
+    checkpoint_fs.take_messages()
