@@ -8,7 +8,9 @@ also at most offcache's host limit (OFFCACHE_HOST_LIMIT; by default a quarter of
 process may use, the cgroup's limit where that is smaller than RAM): the memory offcache may hold
 on the host, which counts every weight copy. The rest goes to disk, read from the checkpoint's own
 files (compressed-tensors links them; nothing is copied). One log line says, once the model is
-dispatched, the bytes on the CPU, on disk and on devices, and why.
+dispatched, the bytes on the CPU, on disk and on devices, and why. The planner
+(``python -m offcache.plan --offload-weights``) places a run's weights with the same ``cpu_share()``,
+given that run's ``Limits``.
 
 A disk share needs a folder: where the caller gave no ``offload_folder``, one under offcache's disk
 tier (``<OFFCACHE_DISK_DIR>/weights-<pid>``, made when first needed) holds compressed-tensors'
