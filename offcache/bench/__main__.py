@@ -11,7 +11,9 @@ tier; its folder is OFFCACHE_BENCH_DISK_DIR, else the temp folder), weights
 (compressed-tensors' offloaded weights: its CPUCache against offcache's; with --ranks N,
 under torch.distributed: N local ranks, its DistributedCPUCache against offcache's node-shared
 region and per-rank copies, in results.json's "weights_ranks"), hostwork (host instructions per
-update() against llm-compressor's, counted by valgrind's callgrind). Each section
+update() against llm-compressor's, counted by valgrind's callgrind), pastram (llm-compressor's oneshot
+of a checkpoint past a memory cgroup's limit, alone and with offcache's weights=True, sampled as it runs:
+DIR/pastram.{json,md,png}; needs root and a memory cgroup, and exits non-zero where none can be made). Each section
 merges its results into DIR/results.json, keeping what earlier runs wrote there,
 and records its command, date, device and build under "runs"; the plots are
 redrawn from everything the file holds.
@@ -42,12 +44,12 @@ from offcache.bench.common import (
 )
 
 ALL = ("transfer", "overlap", "small", "pipeline", "kv")
-SECTIONS = (*ALL, "soak", "oneshot", "disk", "weights", "hostwork")
+SECTIONS = (*ALL, "soak", "oneshot", "disk", "weights", "hostwork", "pastram")
 # The results.json keys each section writes.
 KEYS = {"pipeline": ("pipeline", "pinned", "timeline")}
 # Sections that measure a peer: (the package, the offcache extra that installs it).
 NEEDS = {"kv": ("transformers", "kv"), "oneshot": ("llmcompressor", "llmcompressor"),
-         "weights": ("llmcompressor", "llmcompressor")}  # fmt: skip
+         "weights": ("llmcompressor", "llmcompressor"), "pastram": ("llmcompressor", "llmcompressor")}  # fmt: skip
 
 
 def missing_peer(name: str) -> str:
@@ -162,6 +164,12 @@ def run_section(name: str, ctx: Context, args: argparse.Namespace) -> dict:
         from offcache.bench.disk import run_disk
 
         return {"disk": run_disk(ctx)}
+    if name == "pastram":
+        from offcache.bench.pastram import run_pastram
+
+        measured = run_pastram(ctx, args.out, args.command)
+        runs = [{k: v for k, v in r.items() if k != "samples"} for r in measured["runs"]]
+        return {"pastram": {**measured, "runs": runs}}  # the samples are in DIR/pastram.json
     if name == "weights" and getattr(args, "ranks", None):
         from offcache.bench.weights_ranks import run_weights_ranks
 
@@ -246,6 +254,8 @@ def main(argv=None) -> int:
     """The `offcache-bench` console script and `python -m offcache.bench`: 0 on success."""
     results = run(parse_args(argv))
     print(summary(results, results["sections_run"]))
+    if "pastram" in results["sections_run"] and (results.get("pastram") or {}).get("no_cgroup"):
+        return 1  # nothing was measured: said in the summary
     return 0
 
 
@@ -338,6 +348,10 @@ def summary(r: dict, names=SECTIONS) -> str:
         from offcache.bench import weights
 
         lines.extend(weights.summary_lines(r["weights"]))
+    if "pastram" in names and r.get("pastram"):
+        from offcache.bench import pastram
+
+        lines.extend(pastram.summary_lines(r["pastram"]))
     if "weights" in names and r.get("weights_ranks"):
         from offcache.bench import weights_ranks
 

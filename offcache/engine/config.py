@@ -76,11 +76,14 @@ def _fraction_hint(number) -> str:
     return f"a fraction is not a size: for {pct} of memory write '{pct}', or give bytes (e.g. '512MiB')"
 
 
-def parse_size(text: str | int, what: str = "a size", low: int = 0, high: int = _SIZE_MAX) -> int:
+def parse_size(text: str | int, what: str = "a size", low: int = 0, high: int = _SIZE_MAX,
+               memory: int | None = None) -> int:  # fmt: skip
     """Bytes from an int, '123', '512MiB', '64GiB', '1.5GB' or '40%' (of memory), in [low, high].
 
     `what` names the setting in the error (e.g. "OFFCACHE_PINNED_LIMIT"). A unitless number
-    must be whole bytes: '0.9' is refused, not read as 0 bytes or as 90%.
+    must be whole bytes: '0.9' is refused, not read as 0 bytes or as 90%. `memory`: what a
+    percentage is of (default: this process's memory, RAM or its cgroup's limit; the planner
+    gives a run's).
     """
     if isinstance(text, bool) or not isinstance(text, (int, str)):
         hint = f"; {_fraction_hint(text)}" if isinstance(text, float) and 0 < text <= 1 else ""
@@ -96,7 +99,7 @@ def parse_size(text: str | int, what: str = "a size", low: int = 0, high: int = 
                 pct = float("nan")
             if not 0 < pct <= 100:
                 raise ValueError(f"{what}: a percentage of memory must be in (0, 100], got {text!r}")
-            n = int(_machine.usable_memory_bytes() * pct / 100)
+            n = int((_machine.usable_memory_bytes() if memory is None else memory) * pct / 100)
         else:
             m = _NUMBER.fullmatch(s)
             if not m or m[2] not in _UNITS:
@@ -133,14 +136,15 @@ def local_world_size() -> int:
     return _parse_int(raw, "LOCAL_WORLD_SIZE (set by torchrun: processes on this host)", low=1)
 
 
-def memory_share(value: str | int, what: str, ranks: int | None = None) -> int:
+def memory_share(value: str | int, what: str, ranks: int | None = None, memory: int | None = None) -> int:
     """A memory limit for this process: bytes as given; a percentage of memory divided among the local ranks.
 
     The ranks of a torchrun job on one host share its memory (and its cgroup), so '50%' means
     half of it for all of them together, not for each. `ranks`: the local ranks (default:
-    LOCAL_WORLD_SIZE; the planner gives the job's).
+    LOCAL_WORLD_SIZE; the planner gives the job's). `memory`: what a percentage is of (default: this
+    process's memory; the planner gives a run's).
     """
-    n = parse_size(value, what)
+    n = parse_size(value, what, memory=memory)
     ranks = local_world_size() if ranks is None else ranks
     return n // ranks if isinstance(value, str) and value.strip().endswith("%") else n
 

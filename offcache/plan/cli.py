@@ -18,7 +18,9 @@ from offcache.util.units import seconds_text as _seconds
 # The lines whose numbers depend on the machine (its memory, GPU, disk, offcache's configuration);
 # every other line is the planner's arithmetic on the model and the run.
 MACHINE_LINES = ("This machine:", "  the peak would use:", "  placed:", "  disk tier (this machine", "  weight onloads",
-                 "Advice: On this machine", "  in flight:", "  per node:")  # fmt: skip
+                 "Advice: On this machine", "  in flight:", "  per node:", "Offloaded weights", "  weights placed:",
+                 "  activations placed:", "  disk reads:", "  expected disk time:", "  expected peak:",
+                 "Advice: With offloaded weights")  # fmt: skip
 
 
 def render(p: _plan.Plan) -> str:
@@ -81,7 +83,11 @@ def render(p: _plan.Plan) -> str:
     if not_walked:
         line += f" ({_h(not_walked)} in modules the pipeline does not walk, e.g. a vision tower)"
     out.append(line + f"; largest subgraph {_h(max(w.per_subgraph, default=0))}")
-    if p.onload == "cpu":
+    if p.offload is not None:
+        out.append(f"  placed: offloaded by load_offloaded_model (device_map=\"auto_offload\"), host memory "
+                   f"{_h(w.ram_bytes)}, disk {_h(w.disk_bytes)}; onloaded per subgraph to {p.onload}: "
+                   f"{_h(w.onload_bytes)} ({_h(w.onload_disk_bytes)} from disk)")  # fmt: skip
+    elif p.onload == "cpu":
         out.append("  placed: in host memory (the model runs on the CPU: no onloads)")
     elif w.placement == "gpu":
         out.append(f"  placed: all on the GPU, no onloads [GPU {_h(w.gpu_bytes)}, {w.gpu_source}; "
@@ -111,8 +117,36 @@ def render(p: _plan.Plan) -> str:
         f"  weight onloads (host part at {p.pageable_gbps:g} GB/s pageable, disk part at {p.disk_read_gbps:g} GB/s): "
         f"{_seconds(p.seconds_weights)}",
     ]
+    if p.offload is not None:
+        out += offload_lines(p.offload)
     out += [f"Advice: {a}" for a in p.advice]
     return "\n".join(out)
+
+
+def offload_lines(o) -> list[str]:
+    """The offloaded weights' run under its memory limit (offcache.plan.offload), as text."""
+    source = {"given": "given (--memory-limit)"}.get(o.memory_limit_source, o.memory_limit_source + ", this machine's")
+    files = f"the checkpoint {o.checkpoint}" if o.checkpoint else "the model's config (no --checkpoint)"
+    return [
+        f'Offloaded weights (patch_llmcompressor(weights=True), load_offloaded_model(device_map="auto_offload")), '
+        f"memory limit {_h(o.memory_limit_bytes)} ({source}), offcache's host limit {_h(o.host_limit_bytes)}:",
+        f"  weights placed: {_h(o.cpu_bytes)} on the CPU (the checkpoint's mapping), {_h(o.disk_bytes)} on disk "
+        f"(read from the checkpoint's files), of {_h(o.weight_bytes)} in {files}: the CPU's share is {o.why} "
+        f"[{o.method}]",
+        f"  activations placed: cache peak {_h(o.activation_host_bytes)} in host memory, "
+        f"{_h(o.activation_disk_bytes)} on the disk tier",
+        f"  disk reads: {_h(o.pass_read_bytes)} per calibration pass (the weights on disk once, "
+        f"{_h(o.activation_read_bytes)} of activations); the first pass with the checkpoint out of the page cache "
+        f"{_h(o.cold_pass_read_bytes)} (every checkpoint byte once); save_pretrained {_h(o.save_read_bytes)} more "
+        "(at most: pages the page cache holds are not read again)",
+        f"  expected disk time: {_seconds(o.seconds_per_pass)} per pass, {_seconds(o.seconds_cold_pass)} the first, "
+        f"at {o.disk_read_gbps:g} GB/s read, {o.disk_write_gbps:g} GB/s write   [{o.disk_source}]",
+        f"  expected peak: {_h(o.expected_peak_bytes)} of anonymous memory (working set {_h(o.working_set_bytes)} "
+        f"[{o.working_set_source}], offcache's host limit {_h(o.host_limit_bytes)}, {o.onloads_at_once} x the "
+        f"largest subgraph's weights {_h(o.largest_subgraph_bytes)} onloaded); {_h(o.peak_if_rewritten_bytes)} "
+        f"where calibration rewrites the CPU's weights (GPTQ): "
+        + ("fits the memory limit" if o.fits else "PAST THE MEMORY LIMIT"),
+    ]
 
 
 def _positive_float(text: str) -> float:
@@ -122,6 +156,19 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not value > 0 or math.isinf(value):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def _size(text: str) -> int:
+    """argparse type: a size such as 1100MiB, 64GiB or bytes (not a percentage)."""
+    from offcache import engine as _engine
+
+    if text.strip().endswith("%"):
+        raise argparse.ArgumentTypeError(f"give a size (e.g. 1100MiB), not a percentage: {text!r}")
+    try:
+        value = _engine.parse_size(text, "a size", low=1)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return value
 
 
@@ -154,6 +201,9 @@ def main(argv=None) -> int:
     model = ap.add_mutually_exclusive_group()
     model.add_argument("--config", help="a transformers config.json, its folder, or a Hub id in the local cache")
     model.add_argument("--model-type", help="transformers' default config of this model type (e.g. gemma2, qwen3_moe)")
+    model.add_argument("--checkpoint", metavar="DIR",
+                       help="a model's folder (config.json and safetensors files): its config, and with "
+                       "--offload-weights the bytes of its tensors")  # fmt: skip
     for flag in ("layers", "hidden-size", "heads", "kv-heads", "head-dim", "intermediate-size", "vocab-size"):
         ap.add_argument(f"--{flag}", type=_positive_int, help="without a config: the model's size (Llama formula)")
     ap.add_argument("--samples", type=_positive_int, required=True, help="number of calibration samples")
@@ -182,6 +232,16 @@ def main(argv=None) -> int:
                     "share of the samples; offloaded weights count once per node")  # fmt: skip
     ap.add_argument("--nnodes", type=_positive_int, metavar="M",
                     help="a torchrun job's nodes (default: WORLD_SIZE / LOCAL_WORLD_SIZE, else 1)")  # fmt: skip
+    ap.add_argument("--memory-limit", type=_size, metavar="SIZE",
+                    help="the run's memory limit, e.g. 1100MiB or 64GiB (default: this process's cgroup limit, "
+                    "else RAM): percentages of memory (the default host limit) are of it")  # fmt: skip
+    ap.add_argument("--offload-weights", action="store_true",
+                    help="the run is patch_llmcompressor(weights=True) with load_offloaded_model(device_map="
+                    "'auto_offload'): where its weights and activations live under the memory limit, disk reads "
+                    "per pass, their time, the expected peak")  # fmt: skip
+    ap.add_argument("--working-set", type=_size, metavar="SIZE",
+                    help="with --offload-weights: the process's memory beside offcache and the weights (default: "
+                    "measured here, with torch and llm-compressor imported)")  # fmt: skip
     ap.add_argument("--json", action="store_true", help="print the Plan as JSON")
     a = ap.parse_args(argv)
     shape = config = None
@@ -196,6 +256,8 @@ def main(argv=None) -> int:
             ap.error(f"--model-type {a.model_type!r} is not a transformers model type (e.g. llama, gemma2, qwen3_moe)")
     elif a.config:
         config = a.config
+    elif a.checkpoint:
+        config = a.checkpoint
     else:
         missing = [f for f in ("layers", "hidden_size", "heads") if getattr(a, f) is None]
         if missing:
@@ -219,7 +281,8 @@ def main(argv=None) -> int:
                 propagate_error=not a.no_propagate_error, uniform_lengths=a.uniform_lengths,
                 gpu_bytes=None if a.gpu_gib is None else int(a.gpu_gib * _plan.GiB),
                 pinned_gbps=a.pinned_gbps, pageable_gbps=a.pageable_gbps, disk_write_gbps=write,
-                disk_read_gbps=read, nproc_per_node=a.nproc_per_node, nnodes=a.nnodes,
+                disk_read_gbps=read, nproc_per_node=a.nproc_per_node, nnodes=a.nnodes, memory_limit=a.memory_limit,
+                offload_weights=a.offload_weights, checkpoint=a.checkpoint, working_set=a.working_set,
             )  # fmt: skip
     except MissingExtraError as exc:
         ap.exit(2, f"{ap.prog}: {exc}\n")  # one line: what to install

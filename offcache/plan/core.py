@@ -30,6 +30,8 @@ import torch
 
 from offcache import engine as _engine
 from offcache.engine import machine as _machine
+from offcache.plan import offload as plan_offload
+from offcache.plan import positions as plan_positions
 from offcache.plan import ranks as plan_ranks
 from offcache.plan import sim as plan_sim
 from offcache.plan import trace as plan_trace
@@ -174,6 +176,8 @@ class Plan:
     # A torchrun job's node (offcache.plan.ranks): the lines above are one rank's (its share of the
     # samples, its cache, its limits); the weights are once per node. One process: 1 rank, 1 node.
     node: plan_ranks.Node
+    # With offload_weights: the weights=True run under its memory limit (offcache.plan.offload); else None.
+    offload: plan_offload.Offload | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -245,51 +249,6 @@ def _batch_groups(samples: int, batch_size: int) -> list[tuple[int, int]]:
     return [(size, n) for size, n in ((batch_size, full), (rest, 1 if rest else 0)) if n]
 
 
-# Families whose positions are a learned table of absolute positions: a longer sequence indexes past it.
-LEARNED_POSITIONS = ("opt", "gpt2", "gpt_neo", "gpt_bigcode", "biogpt", "bart", "mbart", "bert", "roberta",
-                     "xlm-roberta", "megatron-bert")  # fmt: skip
-POSITION_LIMITS = ("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx")
-ROTARY_SIGNS = ("rope_parameters", "rope_theta", "rope_scaling", "rotary_dim", "rotary_pct", "partial_rotary_factor",
-                "rotary_emb_base")  # fmt: skip
-
-
-def position_limit(config) -> tuple[str, str, int] | None:
-    """(kind, the config's attribute, its value) of the text model's positions, kind 'learned' or 'rotary';
-    None when its config names no limit or its positions have none (ALiBi, computed, no positions)."""
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    name = next((n for n in POSITION_LIMITS if isinstance(getattr(text, n, None), int)), None)
-    if name is None or getattr(text, "alibi", False):
-        return None
-    name = getattr(text, "attribute_map", {}).get(name, name)  # as its config.json names it (GPT-2: n_positions)
-    model_type = getattr(text, "model_type", "")
-    if model_type in LEARNED_POSITIONS or getattr(text, "learned_pos_emb", False) \
-            or getattr(text, "position_embedding_type", None) == "absolute":  # fmt: skip
-        return "learned", name, getattr(text, name)
-    if any(getattr(text, a, None) is not None for a in ROTARY_SIGNS) or \
-            getattr(text, "position_embedding_type", None) == "rotary":  # fmt: skip
-        return "rotary", name, getattr(text, name)
-    return None
-
-
-def _positions(config, seq_len: int) -> str | None:
-    """Raise when seq_len is past a learned position table; the advice line when past a rotary model's."""
-    found = position_limit(config)
-    if found is None or seq_len <= found[2]:
-        return None
-    kind, name, limit = found
-    family = getattr(config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config,
-                     "model_type", "") or type(config).__name__  # fmt: skip
-    if kind == "learned":
-        raise ValueError(
-            f"seq_len {seq_len} is past the model's {limit} learned positions ({family}, {name}={limit}): the run "
-            f"would fail indexing its position embeddings; give --seq-len {limit} or less"
-        )
-    return (
-        f"--seq-len {seq_len} is past the model's trained positions ({family}, {name}={limit}): its rotary "
-        "positions run past it, but the model's outputs (and so the calibration) may degrade there."
-    )
-
-
 def _positive(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -310,7 +269,7 @@ def _gpu_bytes(gpu_bytes: int | None) -> tuple[int, str]:
     return H200_GPU_BYTES, H200_GPU_SOURCE
 
 
-def _tiers(peak: int, settings: dict) -> Tiers:
+def _tiers(peak: int, settings: dict, memory: int | None = None) -> Tiers:
     pinned_limit, host_limit = settings.get("pinned_limit", 0), settings.get("host_limit", 0)
     disk_dir = settings.get("disk_dir", "")
     free = 0
@@ -324,7 +283,7 @@ def _tiers(peak: int, settings: dict) -> Tiers:
     pageable = min(peak, host_limit) - pinned
     disk = max(peak - host_limit, 0)
     return Tiers(
-        memory_bytes=_machine.usable_memory_bytes(),
+        memory_bytes=_machine.usable_memory_bytes() if memory is None else memory,
         pinned_limit_bytes=pinned_limit,
         host_limit_bytes=host_limit,
         disk_dir=disk_dir,
@@ -417,7 +376,8 @@ def _host_limit_text(n: int) -> str:
 
 
 def _advice(p_peak: int, tiers: Tiers, weights: Weights, method: str, reason: str, bounded: bool,
-            in_flight: tuple[int, int, int] | None, nproc: int = 1) -> list[str]:  # fmt: skip
+            in_flight: tuple[int, int, int] | None, nproc: int = 1,
+            in_checkpoint: bool = False) -> list[str]:  # fmt: skip
     out = []
     if in_flight is not None:
         more, bound, limit = in_flight
@@ -433,7 +393,8 @@ def _advice(p_peak: int, tiers: Tiers, weights: Weights, method: str, reason: st
         out.append(
             "Every batch is taken at --seq-len tokens: with samples of different lengths this is an upper bound."
         )
-    safe = safe_host_limit(tiers.memory_bytes, weights.ram_bytes, nproc)
+    # Weights load_offloaded_model leaves on the CPU are the checkpoint's mapping: page cache, not held.
+    safe = safe_host_limit(tiers.memory_bytes, 0 if in_checkpoint else weights.ram_bytes, nproc)
     ranks = "each rank's working set" if nproc > 1 else "the process's working set"
     rest = "the rest on the disk tier" if tiers.disk_dir else \
         "the rest on a disk tier (OFFCACHE_DISK_DIR: a folder on a disk with room; there is none now)"  # fmt: skip
@@ -457,8 +418,9 @@ def _advice(p_peak: int, tiers: Tiers, weights: Weights, method: str, reason: st
             f"machine holds safely ({_h(safe)}{held}): OFFCACHE_HOST_LIMIT={_safe_limit_text(safe)} keeps "
             f"{rest} instead of risking the kernel's OOM killer."
         )
-    disk_need = nproc * tiers.disk_bytes + weights.disk_bytes
-    if not tiers.fits or disk_need > tiers.disk_free_bytes and (weights.disk_bytes or nproc > 1):
+    # Weights offloaded by load_offloaded_model are read from the checkpoint's files: no room on the tier.
+    disk_need = nproc * tiers.disk_bytes + (0 if in_checkpoint else weights.disk_bytes)
+    if not tiers.fits or disk_need > tiers.disk_free_bytes and (disk_need > tiers.disk_bytes or nproc > 1):
         out.append(
             f"On this machine, it DOES NOT FIT: weights ({_h(weights.total_bytes)}) and cache ({_h(p_peak)}) "
             f"need {_h(disk_need)} on disk "
@@ -490,6 +452,10 @@ def estimate(
     disk_read_gbps: float | None = None,
     nproc_per_node: int | None = None,
     nnodes: int | None = None,
+    memory_limit: int | None = None,
+    offload_weights: bool = False,
+    checkpoint: str | os.PathLike | None = None,
+    working_set: int | None = None,
 ) -> Plan:
     """The plan of a sequential-pipeline calibration run (see the module's docstring).
 
@@ -502,7 +468,14 @@ def estimate(
     not an upper bound. `gpu_bytes`: the GPU's memory (default: the visible GPU's, else an H200's).
     `nproc_per_node`, `nnodes`: a torchrun job's (default: LOCAL_WORLD_SIZE and WORLD_SIZE, else 1):
     each rank caches its share of the samples with its own limits, the weights count once per node
-    (offcache.plan.ranks).
+    (offcache.plan.ranks). `memory_limit`: the run's memory in bytes (default: this process's, its
+    cgroup's limit or RAM): percentages of memory (the default host limit's 25 %) are of it.
+    `offload_weights`: the run is ``patch_llmcompressor(weights=True)`` with the model loaded by
+    ``load_offloaded_model(device_map="auto_offload")``: the weights are placed by offcache's run-time rule
+    under that limit, and `Plan.offload` says where the weights and activations live, the disk reads per
+    pass and their time, and the expected peak (offcache.plan.offload). `checkpoint`: the safetensors
+    folder, whose tensors' bytes are placed (its config.json stands in for `config`). `working_set`: the
+    bytes of the process beside offcache and the weights (default: measured in this process).
     """
     _positive("samples", samples)
     _positive("seq_len", seq_len)
@@ -527,27 +500,42 @@ def estimate(
                 f"sequential_targets must be a list of class names or patterns, got {sequential_targets!r}"
             )
         sequential_targets = list(sequential_targets)
+    config, checkpoint, memory = plan_offload.check_args(config, shape, checkpoint, memory_limit, working_set,
+                                                         offload_weights)  # fmt: skip
     if shape is None:
         if config is None:
             raise ValueError("estimate() needs a model config (or a path to one), or shape=Shape(...)")
         if isinstance(config, (str, os.PathLike)):
             config = load_config(config)
-    past_positions = _positions(config, seq_len) if shape is None else None
+    past_positions = plan_positions.check(config, seq_len) if shape is None else None
     groups = _batch_groups(share, batch_size)
     sizes = [size for size, _ in groups]
     per_size, shape, method, reason, notes, (weight_total, walked) = _subgraphs(
         None if shape is not None else config, shape, dtype, sizes, seq_len, sequential_targets, targets_per_subgraph
     )
     inputs = {b: plan_sim.inputs_of(b, seq_len) for b in sizes}
-    settings = plan_ranks.rank_settings(_engine.settings(), nproc)
+    settings = plan_ranks.rank_settings(_engine.settings(), nproc, memory=memory[0])
     replay = plan_sim.simulate_groups([(n, per_size[b], inputs[b]) for b, n in groups], onload=onload,
                                       host_limit=settings.get("host_limit", 0), passes=2 if propagate_error else 1,
                                       max_in_flight=settings.get("max_in_flight"),
                                       copied_inline=copied_inline(settings))  # fmt: skip
-    tiers = _tiers(replay.peak_bytes, settings)
+    tiers = _tiers(replay.peak_bytes, settings, memory[0])
     first = per_size[sizes[0]]
     weights = _weights([sg.weight_bytes for sg in first], weight_total, walked, onload, _gpu_bytes(gpu_bytes),
                        tiers.memory_bytes - nproc * min(replay.peak_bytes, tiers.host_limit_bytes))  # fmt: skip
+    offload = None
+    if offload_weights:
+        per_subgraph = [sg.weight_bytes for sg in first]
+        offload = plan_offload.plan_offload(
+            config, dtype, checkpoint=checkpoint, memory=memory, settings=settings, onload=onload, tiers=tiers,
+            per_subgraph=per_subgraph, cache_reads=replay.disk_read_bytes, cache_writes=replay.disk_write_bytes,
+            read_gbps=disk_read_gbps, write_gbps=disk_write_gbps, disk_source="given" if disk_given else DISK_SOURCE,
+            working=plan_offload.working_set(working_set),
+            acts_first_batch=2 * max((sum(n for _, n in _distinct(sg.outputs)) for sg in first), default=0),
+        )  # fmt: skip
+        weights = plan_offload.weights_of(weights, offload)
+        if nproc > 1:
+            notes.append("offload_weights places the weights as one process does; a torchrun job's node shares them")
     node = plan_ranks.node(nproc, nnodes, share, tiers, weights, settings)
     boundaries = []
     for k, sg in enumerate(first[:-1]):
@@ -559,7 +547,7 @@ def estimate(
         ))  # fmt: skip
     d2h, h2d = replay.d2h_bytes, replay.h2d_bytes
     disk_seconds = replay.disk_write_bytes / (disk_write_gbps * 1e9) + replay.disk_read_bytes / (disk_read_gbps * 1e9)
-    w_host = weights.onload_bytes - weights.onload_disk_bytes
+    w_host = 0 if onload == "cpu" else weights.onload_bytes - weights.onload_disk_bytes  # a CPU onload copies nothing
     weight_seconds = w_host / (pageable_gbps * 1e9) + weights.onload_disk_bytes / (disk_read_gbps * 1e9)
     bounded = not uniform_lengths
     return Plan(
@@ -580,9 +568,10 @@ def estimate(
         seconds_disk=disk_seconds, seconds_weights=weight_seconds,
         advice=_advice(replay.peak_bytes, tiers, weights, method, reason, bounded,
                        (replay.bound_bytes - replay.peak_bytes, replay.bound_bytes, settings.get("max_in_flight", 0))
-                       if onload == "cpu" and not copied_inline(settings) else None, nproc)
+                       if onload == "cpu" and not copied_inline(settings) else None, nproc, offload is not None)
         + ([SPLIT_APPROXIMATE] if replay.approximate else []) + ([past_positions] if past_positions else [])
-        + plan_ranks.advice(node, _h, safe_host_limit(tiers.memory_bytes, 0, nproc)), node=node,
+        + plan_ranks.advice(node, _h, safe_host_limit(tiers.memory_bytes, 0, nproc))
+        + (plan_offload.advice(offload, _h) if offload else []), node=node, offload=offload,
     )  # fmt: skip
 
 

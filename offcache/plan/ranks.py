@@ -72,11 +72,12 @@ def samples_per_rank(samples: int, world: int) -> int:
     return max(samples * (i + 1) // world - samples * i // world for i in range(world))
 
 
-def rank_settings(settings: dict, nproc_per_node: int) -> dict:
-    """The engine's settings as each of `nproc_per_node` local ranks would resolve them."""
+def rank_settings(settings: dict, nproc_per_node: int, memory: int | None = None) -> dict:
+    """The engine's settings as each of `nproc_per_node` local ranks would resolve them (a percentage of
+    `memory` where given: a run's memory limit; else of this process's memory)."""
     out = dict(settings)
     for key, spec in (settings.get("limit_specs") or {}).items():
-        out[key] = _engine.memory_share(spec, key, ranks=nproc_per_node)
+        out[key] = _engine.memory_share(spec, key, ranks=nproc_per_node, memory=memory)
     return out
 
 

@@ -373,55 +373,22 @@ print("intact", flush=True)
 """
 
 
-def _cgroup_candidates(name: str) -> list[tuple[str, str, str | None]]:
-    """(folder to make, limit file, subtree_control to enable memory in) for v2, then v1."""
-    own = {}
-    with open("/proc/self/cgroup") as f:
-        for line in f.read().splitlines():
-            _, controllers, path = line.split(":", 2)
-            own["" if controllers == "" else "memory" if "memory" in controllers.split(",") else controllers] = path
-    out = []
-    for root, point, fs, opts in _machine.mounts():
-        if fs == "cgroup2" and os.path.exists(os.path.join(point, "cgroup.controllers")):
-            # A child of the mount's root: the root is exempt from the no-internal-processes rule.
-            out.append((os.path.join(point, name), "memory.max", os.path.join(point, "cgroup.subtree_control")))
-        elif fs == "cgroup" and "memory" in opts.split(",") and "memory" in own:
-            rel = own["memory"][len(root) :] if root != "/" and own["memory"].startswith(root) else own["memory"]
-            out.append((os.path.join(point + rel, name), "memory.limit_in_bytes", None))  # under our own cgroup
-    return out
-
-
 @contextlib.contextmanager
 def memory_cgroup(limit: int):
-    """A fresh memory cgroup (v2, else v1) limited to `limit`: yields its cgroup.procs. Skips where none can be made."""
-    if os.geteuid() != 0:
-        pytest.skip("making a memory cgroup needs root")
-    tried = []
-    for folder, limit_file, subtree in _cgroup_candidates(f"offcache-test-{os.getpid()}"):
-        try:
-            if subtree:
-                with open(subtree, "w") as f:
-                    f.write("+memory")
-            os.mkdir(folder)
-        except OSError as exc:
-            tried.append(f"{folder}: {exc.strerror}")
-            continue
-        try:
-            try:
-                with open(os.path.join(folder, limit_file), "w") as f:
-                    f.write(str(limit))
-            except OSError as exc:
-                tried.append(f"{folder}/{limit_file}: {exc.strerror}")
-                continue
-            if limit_file == "memory.limit_in_bytes":
-                with contextlib.suppress(OSError), open(os.path.join(folder, "memory.memsw.limit_in_bytes"), "w") as f:
-                    f.write(str(limit))  # no swap either, where swap accounting exists
-            yield os.path.join(folder, "cgroup.procs")
-            return
-        finally:
-            with contextlib.suppress(OSError):
-                os.rmdir(folder)
-    pytest.skip("no writable memory cgroup: " + ("; ".join(tried) or "no cgroup v2 mount, no v1 memory mount"))
+    """A fresh memory cgroup (offcache.bench.cgroup) limited to `limit`: yields its cgroup.procs. Skips where none
+    can be made."""
+    from offcache.bench.cgroup import NoCgroupError
+    from offcache.bench.cgroup import memory_cgroup as make
+
+    try:
+        made = make(limit, f"offcache-test-{os.getpid()}")
+        group = made.__enter__()
+    except NoCgroupError as exc:
+        pytest.skip(str(exc))
+    try:
+        yield group.procs
+    finally:
+        made.__exit__(None, None, None)
 
 
 def test_three_gib_through_the_cache_in_a_two_gib_cgroup_completes_with_defaults(tmp_path):

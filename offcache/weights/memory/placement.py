@@ -9,7 +9,9 @@ process may use, the cgroup's limit where that is smaller than RAM): the memory 
 on the host, which counts every weight copy. The rest goes to disk, read from the checkpoint's own
 files (compressed-tensors links them; nothing is copied). One log line says, once the model is
 dispatched, the bytes on the CPU, on disk and on devices, and why; a disk share read from a network
-or memory file system gets a CheckpointFileSystemWarning (checkpoint_fs.py).
+or memory file system gets a CheckpointFileSystemWarning (checkpoint_fs.py). The planner
+(``python -m offcache.plan --offload-weights``) places a run's weights with the same ``cpu_share()``,
+given that run's ``Limits``.
 
 A disk share needs a folder: where the caller gave no ``offload_folder``, one under offcache's disk
 tier (``<OFFCACHE_DISK_DIR>/weights-<pid>``, made when first needed) holds compressed-tensors'
@@ -22,6 +24,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,14 +41,50 @@ _last: dict[str, Any] = {}
 _folder: list[str] = []  # the default offload folders made (each removed at exit); the last in use
 
 
-def cpu_share(upstream: int) -> tuple[int, str]:
+# load_offloaded_model's default extra_cpu_mem: the memory it leaves beside the CPU's share.
+EXTRA_CPU_MEM = 5 * 10**9
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the CPU's share is bounded by: offcache's host limit (bytes, and as given), the cgroup's memory
+    limit (None outside one) and RAM. ``limits()`` reads this process's; the planner gives a run's."""
+
+    host: int
+    spec: str | int
+    cgroup: int | None
+    ram: int
+
+
+def limits() -> Limits:
+    """This process's: the engine's resolved host limit, its cgroup's limit and RAM."""
+    settings = _engine.settings()
+    spec = settings.get("limit_specs", {}).get("host_limit", _engine_settings.DEFAULTS["host_limit"])
+    host = int(settings.get("host_limit") or 0)
+    return Limits(host, spec, _machine.cgroup_memory_limit(), _machine.total_ram_bytes())
+
+
+def upstream_share(extra_cpu_mem: int = EXTRA_CPU_MEM) -> int:
+    """compressed-tensors' own CPU share in one process (its ``_get_cpu_memory``, unpatched): the host's available
+    memory less `extra_cpu_mem`, read now."""
+    try:
+        import compressed_tensors.offload.load as load
+
+        get = _originals.get("_get_cpu_memory", load._get_cpu_memory)
+        return int(get(extra_cpu_mem)["cpu"])
+    except ImportError:
+        import psutil
+
+        return int(psutil.virtual_memory().available - extra_cpu_mem)
+
+
+def cpu_share(upstream: int, bounds: Limits | None = None) -> tuple[int, str]:
     """The CPU's share of a model's weights: compressed-tensors' `upstream` bytes, at most the host limit.
 
-    Returns (bytes, why): why names the bound that binds and the memory limit it comes from."""
-    host = int(_engine.settings().get("host_limit") or 0)
-    spec = _engine.settings().get("limit_specs", {}).get("host_limit")
-    cgroup = _machine.cgroup_memory_limit()
-    ram = _machine.total_ram_bytes()
+    `bounds`: the limits it follows (default: this process's, ``limits()``). Returns (bytes, why): why names
+    the bound that binds and the memory limit it comes from."""
+    b = limits() if bounds is None else bounds
+    host, spec, cgroup, ram = b.host, b.spec, b.cgroup, b.ram
     limited = cgroup is not None and cgroup < ram
     memory = f"the cgroup's limit {bytes_text(cgroup)}" if limited else f"RAM {bytes_text(ram)}"
     given = f"{spec} of {memory}" if str(spec).strip().endswith("%") else f"set to {spec}"

@@ -14,93 +14,69 @@ copies left freed stayed resident.)
 
 from __future__ import annotations
 
-import glob
 import mmap
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("llmcompressor")
 
+from offcache.bench import pastram  # noqa: E402
+from offcache.bench.cgroup import NoCgroupError  # noqa: E402
 from offcache.engine import machine as _machine  # noqa: E402
 from offcache.weights.memory.file_backed import is_file_backed  # noqa: E402
-from tests.engine.test_memory import memory_cgroup  # noqa: E402
-
-pytestmark = pytest.mark.slow
 
 MiB = 1 << 20
-ROOT = Path(__file__).resolve().parents[3]
-WORKER = Path(__file__).with_name("past_ram_worker.py")
-LIMIT = 1100 * MiB
-LAYERS, HIDDEN, INTERMEDIATE = 16, 1024, 4096  # 0.47 GiB of bf16 weights
+LIMIT = pastram.LIMIT  # 1100 MiB
+LAYERS, HIDDEN, INTERMEDIATE = pastram.SIZE  # 16, 1024, 4096: 0.47 GiB of bf16 weights
 
 
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OFFCACHE_") and k != "LOCAL_WORLD_SIZE"}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    return env
-
-
-def _drop_page_cache(folder: Path) -> None:
-    """The checkpoint's pages out of the page cache, so that a run in a cgroup reads (and is charged) them."""
-    for name in glob.glob(str(folder / "*.safetensors")):
-        fd = os.open(name, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def _run_in_cgroup(model: Path, out: Path, mode: str, env: dict) -> subprocess.CompletedProcess:
-    _drop_page_cache(model)
-    with memory_cgroup(LIMIT) as procs:
-        script = f'echo $$ > {procs} && exec "{sys.executable}" "{WORKER}" run "$0" "$1" "$2"'
-        return subprocess.run(["sh", "-c", script, str(model), str(out), mode], env=env, capture_output=True,
-                              text=True, timeout=600)  # fmt: skip
-
-
-def _saved(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    out: dict[str, torch.Tensor] = {}
-    for name in sorted(glob.glob(str(folder / "*.safetensors"))):
-        out.update(load_file(name))
-    return out
-
-
-def test_weights_oneshot_completes_where_llmcompressor_alone_does_with_the_same_checkpoint(tmp_path):
-    if _machine.filesystem_type(str(tmp_path)) in _machine._MEMORY_FS:
-        pytest.skip(f"{tmp_path} is on a memory file system: its pages are not reclaimable as a disk file's")
-    env = _env()
-    env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
-    model = tmp_path / "model"
-    made = subprocess.run([sys.executable, str(WORKER), "make", str(model), str(LAYERS), str(HIDDEN),
-                           str(INTERMEDIATE)], env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert made.returncode == 0, made.stderr[-3000:]
+@pytest.fixture(scope="module")
+def past_ram(tmp_path_factory) -> dict:
+    """llm-compressor alone, then weights=True, each in a fresh 1100 MiB cgroup (offcache.bench.pastram's runs, sampled
+    as they run), and the planner's plan of the same run: made once for this module's tests."""
+    tmp = tmp_path_factory.mktemp("past-ram")
+    if _machine.filesystem_type(str(tmp)) in _machine._MEMORY_FS:
+        pytest.skip(f"{tmp} is on a memory file system: its pages are not reclaimable as a disk file's")
+    env = pastram.worker_env(str(tmp / "xdg"))
+    model = tmp / "model"
+    pastram.make_model(model, (LAYERS, HIDDEN, INTERMEDIATE), env)
     runs = {}
-    for mode in ("none", "weights"):
-        out = _run_in_cgroup(model, tmp_path / mode, mode, env)
-        phases = [line for line in out.stdout.splitlines() if line.startswith("phase")]
-        runs[mode] = (out.returncode, phases)
-        assert out.returncode == 0, f"{mode}: rc {out.returncode} (-9: OOM-killed) after {phases}\n{out.stderr[-3000:]}"
-        if mode == "weights":  # the CPU's share: the host limit, a quarter of the cgroup's limit; the rest on disk
-            said = [line for line in (out.stdout + out.stderr).splitlines() if "offcache weights placement:" in line]
-            assert len(said) == 1 and "of the cgroup's limit 1153433600 bytes" in said[0], said or out.stderr[-3000:]
-            assert " 0 bytes on disk" not in said[0], said[0]
-    a, b = _saved(tmp_path / "none"), _saved(tmp_path / "weights")
+    try:
+        for mode in ("none", "weights"):
+            runs[mode] = pastram.run_one(model, tmp / mode, mode, env, LIMIT)
+    except NoCgroupError as exc:
+        pytest.skip(str(exc))
+    return {"tmp": tmp, "runs": runs, "plan": pastram.plan(model, LIMIT, env)}
+
+
+def test_weights_oneshot_completes_where_llmcompressor_alone_does_with_the_same_checkpoint(past_ram):
+    tmp, runs = past_ram["tmp"], past_ram["runs"]
+    for mode, run in runs.items():
+        assert run["completed"], f"{mode}: {run['outcome']} after {run['phases']}\n{run['stderr_tail']}"
+    # The CPU's share: the host limit, a quarter of the cgroup's limit; the rest on disk.
+    said = runs["weights"]["placement"]
+    assert said and "of the cgroup's limit 1153433600 bytes" in said, said
+    assert not said.startswith("0 bytes") and " 0 bytes on disk" not in said, said
+    a, b = pastram.saved(tmp / "none"), pastram.saved(tmp / "weights")
     assert a.keys() == b.keys() and len(a) > 100
     assert any(t.dtype == torch.float8_e4m3fn for t in a.values())
-
-    def same(x, y) -> bool:
-        return x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8))
-
-    differ = [k for k in a if not same(a[k], b[k])]
+    differ = pastram.differing(a, b)
     assert not differ, f"saved tensors differ from llm-compressor alone's: {differ[:5]}"
+
+
+def test_the_planners_peak_and_disk_reads_are_the_measured_ones_within_the_tolerance(past_ram):
+    """python -m offcache.plan --offload-weights --memory-limit 1100MiB for the same checkpoint and calibration set:
+    its placement is the run's log line, its expected peak an upper bound of the measured anonymous memory within
+    pastram.PEAK_TOLERANCE, and the checkpoint bytes it says a cold pass reads the measured reads of loading and
+    calibration within pastram.READ_TOLERANCE."""
+    p, run = past_ram["plan"], past_ram["runs"]["weights"]
+    assert "error" not in p, p
+    o = p["offload"]
+    said = run["placement"]
+    assert said.startswith(f"{o['cpu_bytes']} bytes") and f", {o['disk_bytes']} bytes" in said, (said, o)
+    compared = pastram.compare(p, run)
+    assert not pastram.within_tolerance(compared), compared
 
 
 def test_a_checkpoint_mapping_is_file_backed_and_a_copy_is_not(tmp_path):
