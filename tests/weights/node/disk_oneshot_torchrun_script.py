@@ -8,7 +8,8 @@ Each rank (gloo) patches llm-compressor (``patch_llmcompressor(weights=True)``),
 disk, its links in OFFLOAD_DIR, which the ranks share) and runs ``oneshot`` (FP8 with static activation
 scales, calibrated, the sequential pipeline; llm-compressor splits the samples between the ranks). It
 prints one ``RESULT <json>`` line: the bytes it read from storage (/proc/self/io) while loading and
-calibrating, its resident memory after the imports and at its peak (VmHWM), and the weights' placement.
+while calibrating (the checkpoint's pages dropped from the page cache in between), its resident memory
+after the imports and at its peak (VmHWM), and the weights' placement.
 """
 
 from __future__ import annotations
@@ -26,6 +27,17 @@ def _io_read_bytes() -> int:
 def _status(key: str) -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+
+def _drop_page_cache(folder: str) -> None:
+    import glob
+
+    for name in glob.glob(os.path.join(folder, "*.safetensors")):
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def main(model_dir: str, offload_dir: str) -> None:
@@ -57,6 +69,14 @@ def main(model_dir: str, offload_dir: str) -> None:
             model_dir, dtype=torch.bfloat16, device_map="auto_offload", offload_folder=offload_dir
         )
     where = placement(model)
+    # Loading read the whole checkpoint (transformers does): its pages out of the page cache, so that
+    # calibration reads what it needs from storage, as when the checkpoint is larger than memory.
+    if dist.is_initialized():
+        dist.barrier()
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        _drop_page_cache(model_dir)
+    if dist.is_initialized():
+        dist.barrier()
     read_loaded = _io_read_bytes() - read
     oneshot(
         model=model, tokenizer=tokenizer, dataset=dataset,
@@ -67,6 +87,7 @@ def main(model_dir: str, offload_dir: str) -> None:
         "rank": dist.get_rank() if dist.is_initialized() else 0,
         "world": dist.get_world_size() if dist.is_initialized() else 1,
         "read_bytes": _io_read_bytes() - read, "read_loaded_bytes": read_loaded,
+        "read_calibration_bytes": _io_read_bytes() - read - read_loaded,
         "rss_imported": rss_imported, "hwm": _status("VmHWM"), "placement": where,
         "page_cache_reads": offcache.stats().get("weight_page_cache_bytes", 0),
         "file_read_bytes": offcache.stats()["file_read_bytes"],
