@@ -194,7 +194,7 @@ def run_checkpoint_read(ctx: Context) -> dict:
             raws.append((*raw_read(paths), storage_read_bytes() - storage))
             drop_page_cache(paths)
             ours.append(engine_read(paths))
-            if hasattr(os, "RWF_NOWAIT"):
+            if hasattr(os, "RWF_NOWAIT") and not raws[-1][2]:  # O_DIRECT refused: no probe row
                 drop_page_cache(paths)
                 storage = storage_read_bytes()
                 probes.append((*probed_read(paths), storage_read_bytes() - storage))

@@ -152,10 +152,10 @@ def test_a_cold_checkpoint_file_is_read_from_storage_once(tmp_path, engine_confi
     checkpoint_read.drop_page_cache(paths)
     seconds, nbytes, counters = checkpoint_read.engine_read(paths)
     assert counters["file_read_bytes"] >= nbytes
-    if counters["storage_read_bytes"] > 1.25 * nbytes:
+    if counters["storage_read_bytes"] > 1.1 * nbytes:
         pytest.xfail(
             f"the engine asked the disk for {counters['storage_read_bytes'] / nbytes:.2f}x the bytes: its page-cache "
             "probe (preadv2 RWF_NOWAIT on the buffered descriptor) starts the kernel's readahead of every piece, "
             "which the O_DIRECT read then reads again (a C++ fix: csrc/core/disk_file.cpp read_if_cached)"
         )
-    assert counters["storage_read_bytes"] >= 0.9 * nbytes
+    assert 0.9 * nbytes <= counters["storage_read_bytes"] <= 1.1 * nbytes
