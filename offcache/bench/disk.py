@@ -2,7 +2,9 @@
 
 Throughput: `values` tensors stored through the disk tier (host limit 0: every byte goes
 to a file) and fetched back, against a raw O_DIRECT sequential write and read of the same
-bytes in the same folder, in the same run. Pipeline: the sequential-pipeline simulation
+bytes in the same folder, in the same run. Checkpoint: the engine's cold read of a
+checkpoint's safetensors files (disk-offloaded weights' onloads) against a raw O_DIRECT read
+of the same files (checkpoint_read.py). Pipeline: the sequential-pipeline simulation
 (pipeline.run_one) with a host limit far below the data, iter vs iter_prefetch, and the
 read time prefetch hides against its bound, min(read time, compute time).
 
@@ -170,7 +172,10 @@ def _pipeline_runs(ctx: Context, shape: Shape, folder: str, out: dict) -> None:
 
 
 def run_disk(ctx: Context) -> dict:
-    return {"throughput": run_throughput(ctx), "pipeline": run_disk_pipeline(ctx)}
+    from offcache.bench.checkpoint_read import run_checkpoint_read
+
+    return {"throughput": run_throughput(ctx), "pipeline": run_disk_pipeline(ctx),
+            "checkpoint": run_checkpoint_read(ctx)}  # fmt: skip
 
 
 def summary_lines(r: dict) -> list[str]:
@@ -180,6 +185,10 @@ def summary_lines(r: dict) -> list[str]:
             f"  {x['direction']:5}: offcache {x['offcache_gbps']:.2f} | raw {x['raw_gbps']:.2f} | "
             f"{100 * x['ratio']:.0f}% of raw | memory tier {x['memory_tier_gbps']:.2f}"
         )
+    if r.get("checkpoint"):
+        from offcache.bench.checkpoint_read import probe_line, summary_line
+
+        lines += [line for line in (summary_line(r["checkpoint"]), probe_line(r["checkpoint"])) if line]
     p = r["pipeline"]
     lines.append(
         f"  pipeline (disk tier forced): iter {p['iter']['wall_s']:.2f}s, iter_prefetch "

@@ -297,6 +297,9 @@ def test_bench_disk_tiny(tmp_path, monkeypatch):
     assert {x["direction"] for x in r["throughput"]} == {"store", "fetch"}
     assert all(x["offcache_gbps"] > 0 and x["raw_gbps"] > 0 for x in r["throughput"])
     assert {"iter", "iter_prefetch", "in_memory", "hidden_fraction"} <= set(r["pipeline"])
+    c = r["checkpoint"]  # the engine's cold read of a checkpoint's files against raw O_DIRECT
+    assert c["offcache_gbps"] > 0 and c["raw_gbps"] > 0 and c["tensor_bytes"] == 64 << 20
+    assert c["counters"]["file_read_bytes"] >= c["tensor_bytes"] and c["file_bytes"] > c["tensor_bytes"]
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # bench folders removed
 
 
