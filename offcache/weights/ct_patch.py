@@ -71,6 +71,7 @@ except ModuleNotFoundError as _missing:  # one line naming the extra
 from loguru import logger  # llm-compressor's and compressed-tensors' logger: its INFO lines show
 
 from offcache import engine as _engine  # noqa: F401  (tests patch the engine through this module)
+from offcache.engine import machine as _machine
 from offcache.weights.bookkeeping import WEIGHTS, Prefetched, Subgraph, WeightState, onload_device, prefetch_depth
 from offcache.weights.caches import OffcacheCPUCache, OffcacheDiskCache
 from offcache.weights.interface import WeightCache
@@ -92,7 +93,14 @@ Tensor = torch.Tensor
 
 
 def _device_free_bytes(device: torch.device) -> int | None:
-    """Bytes a prefetch may take on `device`; None: no limit known (the host backend's CPU)."""
+    """Bytes a prefetch may take on `device`; None: no limit known (a device other than the CPU or a GPU).
+
+    The CPU: the memory the process may still take (its cgroup's limit or RAM, less the anonymous
+    memory it holds), less a tenth of that limit for the running subgraph's work: under a memory
+    cgroup a prefetch must never be what kills the run."""
+    if device.type == "cpu":
+        room, _ = fit.host_room()
+        return int(room - 0.1 * _machine.usable_memory_bytes())
     if device.type != "cuda":
         return None
     free, total = torch.cuda.mem_get_info(device)

@@ -564,6 +564,24 @@ def test_prefetch_skipped_without_device_memory(patched, monkeypatch):
     assert d["weight_prefetch_skips"] == 1 and d["weight_prefetch_misses"] == 1
 
 
+def test_a_cpu_prefetch_takes_only_the_memory_the_limit_leaves(patched, monkeypatch):
+    """Onloaded to the CPU, a prefetch is skipped where the memory left under the limit (less a tenth of
+    it for the running subgraph) cannot hold it: in a memory cgroup a prefetch never kills the run."""
+    from offcache.engine import machine
+    from offcache.weights.memory import fit
+
+    monkeypatch.setattr(machine, "usable_memory_bytes", lambda: 1000 * 1024)
+    monkeypatch.setattr(fit, "host_room", lambda: (100 * 1024 + 64 * 65 * 4 - 1, "the cgroup's limit"))
+    assert oc_ct._device_free_bytes(CPU) == 64 * 65 * 4 - 1
+    (linear,), (plain,) = _offloaded_linears(1)
+    before = counters()
+    assert oc_ct.prefetch([linear], target=0) == 0  # one byte short
+    assert torch.equal(linear.weight, plain.weight)
+    assert delta(before)["weight_prefetch_skips"] == 1
+    monkeypatch.setattr(fit, "host_room", lambda: (100 * 1024 + 64 * 65 * 4, "the cgroup's limit"))
+    assert oc_ct.prefetch([linear], target=0) == 64 * 65 * 4
+
+
 def test_prefetch_failure_never_fails_the_run(patched, monkeypatch):
     (linear,), (plain,) = _offloaded_linears(1)
 
