@@ -226,5 +226,42 @@ TEST(ReadOnlyFile, ReadIfCachedServesOnlyResidentPages) {
   unlink(path.c_str());
 }
 
+// The probe of a dropped file reads nothing: the O_DIRECT read that follows is the disk's only one
+// (a RWF_NOWAIT read would fail, but start a readahead of the pages first).
+TEST(ReadOnlyFile, ReadIfCachedOfDroppedPagesStartsNoRead) {
+  if (!page_cache_stat_available())
+    GTEST_SKIP() << "no cachestat(2) here (Linux < 6.5, or filtered)";
+  TempDir dir;
+  const std::string path = dir.path + "/cold.bin";
+  const size_t n = 256 * kDiskAlign;
+  ASSERT_EQ(write_file(path, n, 7).size(), n);
+  std::string why;
+  auto file = ReadOnlyFile::open(path, &why);
+  ASSERT_NE(file, nullptr) << why;
+  const auto resident_pages = [&] {
+    void* map = mmap(nullptr, n, PROT_READ, MAP_SHARED, file->fd, 0);
+    EXPECT_NE(map, MAP_FAILED);
+    if (map == MAP_FAILED) return n;
+    std::vector<unsigned char> resident(n / kDiskAlign);
+    EXPECT_EQ(mincore(map, n, resident.data()), 0);
+    munmap(map, n);
+    size_t count = 0;
+    for (unsigned char r : resident) count += r & 1;
+    return count;
+  };
+  std::vector<char> back(n);
+  bool dropped = false;
+  for (int round = 0; round < 5 && !dropped; ++round) {
+    posix_fadvise(file->fd, 0, 0, POSIX_FADV_DONTNEED);
+    dropped = resident_pages() == 0;
+  }
+  if (!dropped) GTEST_SKIP() << "this file system keeps the pages (tmpfs?)";
+  EXPECT_FALSE(read_if_cached(file->at(0), back.data(), n, n));
+  usleep(200 * 1000);  // a readahead the probe had started would have landed by now
+  EXPECT_EQ(resident_pages(), 0u) << "the probe of a dropped file read pages into the page cache";
+  file.reset();
+  unlink(path.c_str());
+}
+
 }  // namespace
 }  // namespace offcache

@@ -3,10 +3,12 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
@@ -173,8 +175,60 @@ bool disk_read(const DiskSource::Where& w, void* buf, size_t bytes, std::string*
       [](int fd, char* p, size_t n, off_t o) { return pread(fd, p, n, o); }, error, buffered, need);
 }
 
+namespace {
+
+#ifdef SYS_cachestat
+constexpr long kCachestat = SYS_cachestat;
+#else
+constexpr long kCachestat = 451;  // cachestat(2), Linux 6.5+: one number on every architecture
+#endif
+
+// cachestat(2)'s argument and result (linux/mman.h, which older headers lack).
+struct CachestatRange {
+  uint64_t off, len;
+};
+struct Cachestat {
+  uint64_t nr_cache, nr_dirty, nr_writeback, nr_evicted, nr_recently_evicted;
+};
+
+std::atomic<bool> g_no_cachestat{false};  // set once the kernel (or a seccomp filter) refuses it
+
+// Whether every page of [offset, offset + bytes) is in the page cache: 1 yes, 0 no, -1 unknown
+// (no cachestat). Reads nothing and starts no readahead.
+int all_cached(int fd, off_t offset, size_t bytes) {
+  if (bytes == 0) return 1;
+  if (g_no_cachestat.load(std::memory_order_relaxed)) return -1;
+  CachestatRange range{static_cast<uint64_t>(offset), bytes};
+  Cachestat st{};
+  if (syscall(kCachestat, fd, &range, &st, 0) != 0) {
+    if (errno == ENOSYS || errno == EPERM) g_no_cachestat.store(true, std::memory_order_relaxed);
+    return -1;  // EOPNOTSUPP (e.g. hugetlbfs), EBADF, ...: the RWF_NOWAIT probe decides
+  }
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  const uint64_t first = static_cast<uint64_t>(offset) / page;
+  const uint64_t last = (static_cast<uint64_t>(offset) + bytes - 1) / page;
+  return st.nr_cache >= last - first + 1 ? 1 : 0;
+}
+
+}  // namespace
+
+bool page_cache_stat_available() {
+  if (g_no_cachestat.load(std::memory_order_relaxed)) return false;
+  CachestatRange range{0, 0};
+  Cachestat st{};
+  const int fd = ::open("/proc/self/exe", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  const bool ok = syscall(kCachestat, fd, &range, &st, 0) == 0;
+  ::close(fd);
+  return ok;
+}
+
 bool read_if_cached(const DiskSource::Where& w, void* buf, size_t bytes, size_t need) {
   need = std::min(need, bytes);
+  // A RWF_NOWAIT read of pages that are not cached fails, but starts a readahead of them first: a
+  // cold checkpoint would be read from the disk twice (this probe's readahead, then O_DIRECT).
+  // cachestat asks without reading; the RWF_NOWAIT read then only runs where every page is there.
+  if (all_cached(w.fd, w.offset, need) == 0) return false;
   size_t done = 0;
   while (done < need) {
     iovec v{static_cast<char*>(buf) + done, bytes - done};

@@ -74,7 +74,11 @@ bool disk_read(const DiskSource::Where& w, void* buf, size_t bytes, std::string*
 // bytes are in. False, with nothing reported, when some are not cached (the
 // caller reads from the disk then, O_DIRECT: a checkpoint larger than RAM
 // does not evict the page cache) or the kernel has no RWF_NOWAIT.
+// Where cachestat(2) answers (Linux 6.5+), pages that are not all cached are
+// reported without a read: the probe of a cold file starts no readahead.
 bool read_if_cached(const DiskSource::Where& w, void* buf, size_t bytes, size_t need);
+// Whether cachestat(2) answers here (read_if_cached's probe then reads nothing).
+bool page_cache_stat_available();
 
 // A regular file opened for reading: buffered, and O_DIRECT where the file
 // system allows it (`direct` is -1 where it does not). Closed when the last
