@@ -4,7 +4,9 @@ the two classes and the onload they share)."""
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 from typing import Any
 
 import torch
@@ -239,6 +241,34 @@ class _Ready:
         pass
 
 
+class OffloadFolderFullError(OSError):
+    """A weight's write-back would not fit its offload folder: raised before anything is written."""
+
+
+# A safetensors file's header and the file system's block rounding, beside the tensor's bytes.
+WRITE_MARGIN = 1 << 20
+
+
+def check_room(path: str, nbytes: int, weight: str) -> None:
+    """Raise OffloadFolderFullError unless the folder of `path` can take a file of `nbytes` in place of
+    `path` (whose own bytes an update frees first, unless it is a link to the checkpoint)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        free = shutil.disk_usage(folder).free
+        if os.path.isfile(path) and not os.path.islink(path):
+            free += os.path.getsize(path)
+    except OSError:
+        return  # the write itself will say what is wrong
+    need = nbytes + WRITE_MARGIN
+    if free < need:
+        raise OffloadFolderFullError(
+            errno.ENOSPC,
+            f"offcache: writing weight {weight!r} back ({nbytes} bytes) needs {need} bytes in the offload folder "
+            f"{folder}, which has {free} bytes free; nothing was written and the weight keeps its value. Free "
+            "space there, or load with offload_folder= on a larger disk",
+        )
+
+
 class OffcacheDiskCache(EngineCache, DiskCache):
     """compressed-tensors' ``DiskCache``, its onload reading the checkpoint's file through the engine.
 
@@ -339,6 +369,9 @@ class OffcacheDiskCache(EngineCache, DiskCache):
     def update_offload(self, offloaded: Tensor, data: Tensor | None):
         if offloaded.device.type != "meta":  # staged (0.20): a host tensor, updated as CPUCache's
             return OffcacheCPUCache.update_offload(self, offloaded, data)
+        info = self.index[offloaded]
+        check_room(info["safetensors_file"], offloaded.numel() * getattr(torch, info["dtype"]).itemsize,
+                   info["weight_name"])  # fmt: skip
         self.state.drop_prefetched(offloaded)
         # DiskCache rewrites its own file in place (truncating it): no read of it may still be
         # in flight then (it would fail at the new end, or read the new bytes). A checkpoint

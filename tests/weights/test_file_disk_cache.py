@@ -104,3 +104,32 @@ def test_disk_delete_while_prefetch_in_flight(patched, tmp_path):
     gc.collect()
     offcache.synchronize()
     assert torch.equal(linear.bias, bias)
+
+
+def test_a_write_back_past_the_offload_folders_free_space_says_so_and_loses_nothing(patched, tmp_path, monkeypatch):
+    """A disk full mid-run: the update that would not fit raises OffloadFolderFullError (an OSError, ENOSPC)
+    naming the weight, the bytes and the folder before anything is written; the weight keeps its value and
+    a later update that fits goes through."""
+    import errno
+    import shutil
+
+    from offcache.weights import caches
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 256)
+    ref = linear.weight.detach().clone()
+    offload_module(linear, CPU, "disk", offload_dir=str(tmp_path))
+    real = shutil.disk_usage
+    room = [256 * 256 * 4]  # free bytes the folder reports: less than the weight plus the margin
+    monkeypatch.setattr(caches.shutil, "disk_usage", lambda p: real(p)._replace(free=room[0]))
+    with pytest.raises(caches.OffloadFolderFullError) as exc:
+        linear._parameters["weight"] = torch.nn.Parameter(torch.ones(256, 256), requires_grad=False)
+    assert exc.value.errno == errno.ENOSPC and isinstance(exc.value, OSError)
+    message = str(exc.value)
+    assert "'weight'" in message and f"{256 * 256 * 4} bytes" in message and str(tmp_path) in message
+    with disable_offloading():
+        assert torch.equal(linear.weight, ref)  # nothing lost
+    room[0] = 1 << 40
+    linear._parameters["weight"] = torch.nn.Parameter(torch.ones(256, 256), requires_grad=False)
+    with disable_offloading():
+        assert torch.equal(linear.weight, torch.ones(256, 256))
