@@ -26,9 +26,9 @@ import torch
 
 pytest.importorskip("llmcompressor")
 
+from offcache.bench.pastram import drop_page_cache, worker_env  # noqa: E402
 from offcache.engine import machine as _machine  # noqa: E402
 from tests.engine.test_memory import memory_cgroup  # noqa: E402
-from tests.weights.memory.test_past_ram import _drop_page_cache, _env  # noqa: E402
 from tests.weights.node.weights_node_worker import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -51,7 +51,7 @@ def _peak(procs: str) -> int:
 
 def _run(model: Path, offload: Path, ranks: int, env: dict) -> tuple[list[dict], int]:
     offload.mkdir()
-    _drop_page_cache(model)
+    drop_page_cache(model)
     launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--master-addr=127.0.0.1",
                 f"--master-port={free_port()}"] if ranks > 1 else [sys.executable]  # fmt: skip
     with memory_cgroup(8 << 30) as procs:
@@ -77,7 +77,7 @@ def test_two_ranks_read_the_checkpoint_once_and_peak_at_one_process_plus_a_rank(
                  num_key_value_heads=4, vocab_size=128)  # fmt: skip
     model = save_llama(tmp_path / "model", dtype=torch.bfloat16, **shape)
     checkpoint = sum(f.stat().st_size for f in model.glob("*.safetensors"))
-    env = _env()
+    env = worker_env()
     env.update(XDG_CACHE_HOME=str(tmp_path / "xdg"), OFFCACHE_HOST_LIMIT=str(checkpoint // 4))
     (one,), one_peak = _run(model, tmp_path / "off1", 1, env)
     pair, pair_peak = _run(model, tmp_path / "off2", 2, env)
