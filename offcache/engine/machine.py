@@ -18,6 +18,19 @@ def total_ram_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def available_ram_bytes() -> int:
+    """The host's available memory (/proc/meminfo's MemAvailable, as psutil's ``available``); RAM where
+    that cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) << 10
+    except (OSError, ValueError, IndexError):
+        pass
+    return total_ram_bytes()
+
+
 def _unescape(field: str) -> str:
     """A /proc/self/mountinfo path field: spaces, tabs, newlines and backslashes come octal-escaped."""
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)

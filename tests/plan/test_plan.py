@@ -622,3 +622,18 @@ def test_a_sequence_past_rope_positions_is_a_warning_and_alibi_has_none():
     bloom = transformers.BloomConfig(hidden_size=64, n_layer=2, n_head=4, vocab_size=96)
     p = plan.estimate(bloom, samples=2, seq_len=4096, dtype="float32")
     assert not any("position" in a for a in p.advice)
+
+
+def test_compressed_tensors_share_without_compressed_tensors_is_read_from_meminfo(monkeypatch):
+    """The planner's offload section where compressed-tensors (and psutil) are not installed: the host's
+    available memory from /proc/meminfo, less extra_cpu_mem, as compressed-tensors computes it."""
+    import sys
+
+    from offcache.engine import machine
+    from offcache.weights.memory import placement
+
+    monkeypatch.setitem(sys.modules, "compressed_tensors.offload.load", None)  # its import raises ImportError
+    monkeypatch.setattr(machine, "available_ram_bytes", lambda: 7 << 30)
+    assert placement.upstream_share(1 << 30) == 6 << 30
+    monkeypatch.undo()
+    assert 0 < machine.available_ram_bytes() <= machine.total_ram_bytes()

@@ -72,10 +72,8 @@ def upstream_share(extra_cpu_mem: int = EXTRA_CPU_MEM) -> int:
 
         get = _originals.get("_get_cpu_memory", load._get_cpu_memory)
         return int(get(extra_cpu_mem)["cpu"])
-    except ImportError:
-        import psutil
-
-        return int(psutil.virtual_memory().available - extra_cpu_mem)
+    except ImportError:  # no compressed-tensors (nor, then, psutil): the same figure from /proc/meminfo
+        return int(_machine.available_ram_bytes() - extra_cpu_mem)
 
 
 def cpu_share(upstream: int, bounds: Limits | None = None) -> tuple[int, str]:
