@@ -72,13 +72,9 @@ def make_model(model: Path, size: tuple[int, int, int], env: dict) -> None:
 
 def drop_page_cache(folder: Path) -> None:
     """The checkpoint's pages out of the page cache, so that a run in a cgroup reads (and is charged) them."""
-    for name in glob.glob(str(Path(folder) / "*.safetensors")):
-        fd = os.open(name, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    from offcache.bench.checkpoint_read import drop_page_cache as drop_files
+
+    drop_files(sorted(glob.glob(str(Path(folder) / "*.safetensors"))))
 
 
 def checkpoint_bytes(folder: Path) -> int:
