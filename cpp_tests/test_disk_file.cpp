@@ -182,6 +182,20 @@ TEST(ReadOnlyFile, MissingFilesAndFoldersAreClearErrors) {
   EXPECT_NE(why.find("not a regular file"), std::string::npos) << why;
 }
 
+// Pages of the first `n` bytes of `fd` in the page cache (mincore of a mapping); `n` where it
+// cannot map.
+size_t resident_pages_of(int fd, size_t n) {
+  void* map = mmap(nullptr, n, PROT_READ, MAP_SHARED, fd, 0);
+  EXPECT_NE(map, MAP_FAILED);
+  if (map == MAP_FAILED) return n;
+  std::vector<unsigned char> resident(n / kDiskAlign);
+  EXPECT_EQ(mincore(map, n, resident.data()), 0);
+  munmap(map, n);
+  size_t count = 0;
+  for (unsigned char r : resident) count += r & 1;
+  return count;
+}
+
 // Checkpoints in the page cache are read from it; dropped ones are left to O_DIRECT.
 TEST(ReadOnlyFile, ReadIfCachedServesOnlyResidentPages) {
   TempDir dir;
@@ -200,17 +214,7 @@ TEST(ReadOnlyFile, ReadIfCachedServesOnlyResidentPages) {
   // Dropped from the page cache (where the file system lets fadvise drop it): not served.
   // The kernel may bring pages back between the drop and the read (readahead, memory
   // pressure elsewhere): a few rounds, one of which must see them dropped and not served.
-  const auto resident_pages = [&] {
-    void* map = mmap(nullptr, n, PROT_READ, MAP_SHARED, file->fd, 0);
-    EXPECT_NE(map, MAP_FAILED);
-    if (map == MAP_FAILED) return n;
-    std::vector<unsigned char> resident(n / kDiskAlign);
-    EXPECT_EQ(mincore(map, n, resident.data()), 0);
-    munmap(map, n);
-    size_t count = 0;
-    for (unsigned char r : resident) count += r & 1;
-    return count;
-  };
+  const auto resident_pages = [&] { return resident_pages_of(file->fd, n); };
   bool dropped = false, refused = false;
   for (int round = 0; round < 5 && !refused; ++round) {
     posix_fadvise(file->fd, 0, 0, POSIX_FADV_DONTNEED);
@@ -238,17 +242,7 @@ TEST(ReadOnlyFile, ReadIfCachedOfDroppedPagesStartsNoRead) {
   std::string why;
   auto file = ReadOnlyFile::open(path, &why);
   ASSERT_NE(file, nullptr) << why;
-  const auto resident_pages = [&] {
-    void* map = mmap(nullptr, n, PROT_READ, MAP_SHARED, file->fd, 0);
-    EXPECT_NE(map, MAP_FAILED);
-    if (map == MAP_FAILED) return n;
-    std::vector<unsigned char> resident(n / kDiskAlign);
-    EXPECT_EQ(mincore(map, n, resident.data()), 0);
-    munmap(map, n);
-    size_t count = 0;
-    for (unsigned char r : resident) count += r & 1;
-    return count;
-  };
+  const auto resident_pages = [&] { return resident_pages_of(file->fd, n); };
   std::vector<char> back(n);
   bool dropped = false;
   for (int round = 0; round < 5 && !dropped; ++round) {
